@@ -1,0 +1,227 @@
+"""Automatic mixed precision (AMP): run the math in bf16 or fp16, keep the weights in fp32.
+
+What it teaches
+    torch.autocast runs the matrix multiplications of forward (and so of backward) in a 16-bit
+    type, which tensor cores execute many times faster than fp32, while the weights, the
+    optimizer state and the precision-sensitive ops stay in fp32. fp16 also needs a
+    GradScaler: its narrow exponent range turns small gradients into zeros, so the loss is
+    multiplied by a large factor before backward and the gradients divided by it before the
+    optimizer sees them. bf16 has fp32's exponent range and needs no scaler.
+
+When to use it
+    Any training on a GPU with tensor cores (V100 and later: fp16; A100/H100 and later: bf16,
+    the default where supported). Often 2-3x faster and half the activation memory.
+When not
+    On a CPU it mostly shows the API: bf16 matmuls are rarely faster there. At tiny model sizes
+    (like the default here) kernel launches, not math, set the pace and AMP gains nothing.
+    Where you need bit-for-bit fp32 results, use --dtype fp32 (autocast off: the baseline).
+
+Launch
+    python amp.py                     # bf16 where supported (and on CPU), else fp16
+    python amp.py --dtype fp16        # with GradScaler
+    python amp.py --dtype fp32        # autocast off: exactly the single-device baseline
+    Smallest hardware: any CPU (bf16 and fp16 autocast both run there), or one GPU.
+
+What mixed precision adds
+    diff dataparallel.py amp.py
+
+Docs
+    https://pytorch.org/docs/stable/amp.html
+    https://pytorch.org/docs/stable/notes/amp_examples.html
+Tested with torch 2.13.0 (CPU).
+"""
+
+
+
+import argparse
+import itertools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler
+
+from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
+from common import print0, save_atomic, seed_everything
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=1.0,
+                       help="clip the gradient norm to this (0: no clipping)")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                          help="autocast type; auto: bf16 where supported (CPU too), else fp16")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="resume from PATH if it exists; write model, optimizer, scaler there")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.batch_size % args.accum_steps:
+        parser.error(f"--batch-size {args.batch_size} must be divisible by "
+                     f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
+    return args
+
+
+def setup(args):
+    """Pick the device and the autocast type."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", 0)
+        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so --dtype fp32 is the
+        # true baseline. "high" would make fp32 matmuls use TF32 tensor cores (~1e-3 error).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    dtype = args.dtype
+    if dtype == "auto":
+        # bf16 on Ampere (A100) and later, and on CPUs; fp16 on older GPUs (V100, T4).
+        bf16_ok = device.type == "cpu" or torch.cuda.is_bf16_supported()
+        dtype = "bf16" if bf16_ok else "fp16"
+    print(f"amp: dtype {dtype} | device {device.type} | torch {torch.__version__}", flush=True)
+    return device, dtype
+
+
+def optimizer_step(model, optimizer, scaler, clip):
+    """Unscale, clip, step, update: the order matters. Returns (gradient norm, skipped)."""
+    # --- AMP: step through the scaler ---
+    # The gradients are still multiplied by the scale (65536 at first). unscale_ divides them
+    # in place and records whether any is inf/NaN. It must come BEFORE clipping: clipping the
+    # scaled gradients would measure a norm 65536x too large and shrink the true gradient to
+    # almost nothing (the bug in many copied examples).
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
+    scale = scaler.get_scale()  # a GPU sync: fine once a step at this size
+    # step() calls optimizer.step() only if unscale_ found no inf/NaN; update() then halves
+    # the scale after a skipped step and doubles it after 2000 clean ones.
+    scaler.step(optimizer)
+    scaler.update()
+    skipped = scaler.get_scale() < scale
+    # --- end AMP ---
+    optimizer.zero_grad(set_to_none=True)
+    return norm, skipped
+
+
+def train(args, device, dtype):
+    """Train; return the model and the final loss."""
+    seed_everything(args.seed)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    # The weights stay fp32 ("master weights"): autocast casts them to 16 bits on the fly
+    # inside each op, so the optimizer's small updates are not rounded away.
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # --- AMP: a GradScaler, for fp16 only ---
+    # fp16's smallest normal number is 6e-5 and its exponent range 5 bits: gradients of a
+    # loss like ours underflow to 0. bf16 has fp32's 8 exponent bits (it gives up mantissa
+    # instead), so nothing underflows and no scaler is needed. Disabled, the scaler is a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[dtype]
+    # --- end AMP ---
+    start_step = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        try:
+            state = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        except Exception as e:  # truncated, not a checkpoint, ...: left as it is
+            raise SystemExit(f"--checkpoint {args.checkpoint}: cannot be read "
+                             f"({type(e).__name__}); move it away or pick another path")
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:  # another --hidden/--blocks: say so in one line
+            raise SystemExit(f"--checkpoint {args.checkpoint}: saved with another model size "
+                             f"({str(e).splitlines()[1].strip()}); use its --hidden/--blocks")
+        optimizer.load_state_dict(state["optimizer"])
+        # The scale it had learned: without it a resumed fp16 run starts again at 65536 and
+        # skips its first steps backing off to where it already was.
+        scaler.load_state_dict(state["scaler"])
+        start_step = state["step"]
+        print(f"amp: resumed from {args.checkpoint} at step {start_step}", flush=True)
+
+    dataset = make_dataset()
+    # Each epoch's order is the permutation drawn from seed + epoch, the same one
+    # DistributedSampler draws in ddp.py, so every script trains on the same batches.
+    generator = torch.Generator()
+    sampler = RandomSampler(dataset, generator=generator)
+    micro_batch = args.batch_size // args.accum_steps
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    final_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            generator.manual_seed(args.seed + epoch)
+            # A resumed run skips the part of the epoch it had already trained on.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # --- AMP: forward under autocast ---
+            # Inside, matmuls (Linear) run in the 16-bit type; ops that need range or
+            # accumulate many terms (softmax, norms, sums, losses such as mse_loss) run in
+            # fp32, whatever their inputs. Only forward goes inside: backward runs each op
+            # in the type its forward used.
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=dtype != "fp32"):
+                # Divided by K so that K micro-batch gradients add up to the mean over the
+                # whole batch, not K times it (which would act like a K times larger lr).
+                loss = F.mse_loss(model(x), y) / args.accum_steps
+            # scale(loss) multiplies by the current scale (fp16) or returns loss unchanged.
+            scaler.scale(loss).backward()
+            # --- end AMP ---
+            loss_sum += loss.detach()
+        _, skipped = optimizer_step(model, optimizer, scaler, args.clip)
+        if skipped:
+            print(f"step {step + 1}: skipped, inf/NaN gradients; fp16 loss scale lowered to "
+                  f"{scaler.get_scale():g}", flush=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
+    if args.checkpoint:
+        # Everything a resumed run needs to continue as if never stopped: the scaler's state
+        # (its current scale and growth tracker) belongs next to the model and optimizer.
+        save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "step": args.steps}, args.checkpoint)
+    return model, final_loss
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device, dtype = setup(args)
+    model, _ = train(args, device, dtype)
+    if args.save:
+        # fp32 weights: autocast never changed them, so this loads anywhere like any other.
+        save_atomic(model.state_dict(), args.save)
+
+
+if __name__ == "__main__":
+    main()

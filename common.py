@@ -1,0 +1,181 @@
+"""What every script in this collection shares and none of them teaches.
+
+The model, the data, seeding, and the log lines. Nothing here knows about DataParallel, DDP,
+mixed precision or pipelines: the technique lives in its own script, in plain sight. Importing
+this file does nothing but define things.
+"""
+
+import argparse
+import os
+import resource
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+IN_FEATURES = 32
+OUT_FEATURES = 8
+DATASET_SIZE = 4096
+DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed moves init and order
+
+
+class Block(nn.Module):
+    """One hidden layer: Linear + ReLU, with a residual connection so deep stacks still train."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + torch.relu(self.linear(x))
+
+
+class SimpleModel(nn.Module):
+    """input Linear -> `blocks` x Block -> output Linear.
+
+    No BatchNorm and no dropout on purpose: BatchNorm statistics are per replica and dropout
+    masks are per RNG stream, so both make parallel strategies differ from one device for
+    reasons that have nothing to do with the strategy.
+
+    The blocks live in a ModuleDict keyed "0", "1", ... so that a pipeline stage can delete the
+    blocks it does not own (and set `input` or `output` to None) and keep the full model's
+    parameter names: a stage's state_dict is then a slice of the full one.
+    """
+
+    def __init__(self, hidden=64, blocks=4):
+        super().__init__()
+        self.input = nn.Linear(IN_FEATURES, hidden)
+        self.blocks = nn.ModuleDict({str(i): Block(hidden) for i in range(blocks)})
+        self.output = nn.Linear(hidden, OUT_FEATURES)
+
+    def forward(self, x):
+        if self.input is not None:
+            x = self.input(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x
+
+
+def make_dataset(size=DATASET_SIZE):
+    """A regression task that can be learned: y = teacher(x) + small noise, the same every time.
+
+    The teacher is a fixed random two-layer network, so the loss has somewhere to fall to.
+    Built from its own generator, so it neither reads nor disturbs the global RNG.
+    """
+    g = torch.Generator().manual_seed(DATA_SEED)
+    x = torch.randn(size, IN_FEATURES, generator=g)
+    w1 = torch.randn(IN_FEATURES, 64, generator=g) / IN_FEATURES**0.5
+    w2 = torch.randn(64, OUT_FEATURES, generator=g) / 64**0.5
+    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(size, OUT_FEATURES, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def seed_everything(seed):
+    """Seed the global RNGs, so every process that builds SimpleModel gets the same weights."""
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def positive(kind):
+    """argparse type: a positive int or float, with an error that names the fix."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+
+    return parse
+
+
+def print0(*args):
+    """print on rank 0 only (or always, in a single process)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def save_atomic(obj, path):
+    """torch.save that never leaves a half-written file at `path`.
+
+    Write a temporary file in the same folder, flush it to disk, then os.replace() it over
+    `path` in one step: a crash at any moment leaves either the old file or the new one.
+    (Same folder, because os.replace is atomic only within one filesystem.)
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+class Meter:
+    """Throughput of the training loop, timed the way a benchmark must be.
+
+    CUDA kernels run asynchronously, so the clock is read only after `synchronize()`;
+    the first `warmup` steps (allocator, kernel selection, first communication) are not timed.
+    """
+
+    def __init__(self, device, warmup=3):
+        self.device = device
+        self.warmup = warmup
+        self.steps = 0
+        self.samples = 0
+        self.start = None
+        self.last = time.perf_counter()
+
+    def _now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def step(self, samples):
+        """Call after each optimizer step; returns samples/s of that step."""
+        now = self._now()
+        rate = samples / max(now - self.last, 1e-9)
+        self.last = now
+        self.steps += 1
+        if self.steps == self.warmup:
+            self.start, self.samples = now, 0
+        elif self.steps > self.warmup:
+            self.samples += samples
+        return rate
+
+    def summary(self, loss, flops_per_sample):
+        """The final line: steps, final loss, samples/s, step time, peak memory, TFLOP/s."""
+        timed = self.steps - self.warmup
+        elapsed = (self.last - self.start) if timed > 0 else float("nan")
+        rate = self.samples / elapsed if timed > 0 else float("nan")
+        if self.device.type == "cuda":
+            peak = f"{torch.cuda.max_memory_allocated(self.device) / 2**20:.1f} MiB (CUDA)"
+        else:
+            # ru_maxrss is in KiB on Linux: the whole process, Python and torch included.
+            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB (RSS)"
+        line = (
+            f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
+            f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}"
+        )
+        if self.device.type == "cuda":
+            # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
+            line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"
+        return line
+
+
+def log_line(step, steps, loss, samples_per_s):
+    """The per-step line every script prints, so their logs can be compared side by side."""
+    return f"step {step:5d}/{steps} | loss {loss:.6f} | {samples_per_s:10.1f} samples/s"

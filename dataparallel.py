@@ -1,0 +1,161 @@
+"""DataParallel (DP): one process drives every GPU of the machine, one step at a time.
+
+What it teaches
+    The oldest and simplest way to use several GPUs: wrap the model in torch.nn.DataParallel
+    and change nothing else. Each step it copies the weights to every GPU, cuts the batch into
+    one slice per GPU, runs the forward passes in threads, gathers the outputs on GPU 0, and
+    backward sums the gradients back onto GPU 0's (the only real) copy of the weights.
+    With global batch B it equals one device with batch B: the tests prove it to ~1e-7.
+
+When to use it
+    A quick experiment on one machine, where one line of code is all you want to change.
+When not
+    Anything that has to be fast or to grow: one Python process drives all GPUs (the GIL
+    serializes the threads), GPU 0 gathers outputs and holds the optimizer (so it runs out of
+    memory first and idles the others), and the weights are copied again every step. It cannot
+    span machines. PyTorch's docs recommend DistributedDataParallel even on one machine: see
+    ddp.py, and `diff dataparallel.py ddp.py` for exactly what changes.
+
+Launch
+    python dataparallel.py                   # all visible GPUs, or the CPU if there are none
+    CUDA_VISIBLE_DEVICES=0,1 python dataparallel.py
+    Smallest hardware: any CPU (DataParallel then just calls the model) or one GPU.
+
+Docs
+    https://pytorch.org/docs/stable/generated/torch.nn.DataParallel.html
+    https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel
+Tested with torch 2.13.0 (CPU).
+"""
+
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn import DataParallel
+from torch.utils.data import DataLoader, RandomSampler
+
+from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
+from common import print0, save_atomic, seed_everything
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.batch_size % args.accum_steps:
+        parser.error(f"--batch-size {args.batch_size} must be divisible by "
+                     f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    if args.save and not os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK):
+        parser.error(f"--save {args.save}: its folder does not exist or is not writable; "
+                     "create it first")
+    return args
+
+
+def setup(args):
+    """Pick the device that holds the model: GPU 0 (DataParallel's home), or the CPU."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # DataParallel keeps the real weights, the optimizer and the gathered outputs on the
+        # first visible GPU; the other GPUs only get copies for the length of one step.
+        device = torch.device("cuda", 0)
+        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
+        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        torch.set_float32_matmul_precision("highest")
+        print(f"dataparallel: {torch.cuda.device_count()} GPU(s) | device cuda | "
+              f"torch {torch.__version__}", flush=True)
+    else:
+        device = torch.device("cpu")
+        print(f"dataparallel: no GPU, so DataParallel simply calls the model on the CPU | "
+              f"torch {torch.__version__}", flush=True)
+    return device
+
+
+def train(args, device):
+    """Train; return the unwrapped model and the final loss."""
+    seed_everything(args.seed)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    # --- DataParallel: wrap the model ---
+    # Every forward: replicate the weights onto each visible GPU, scatter the batch along
+    # dim 0 (B/G samples each), run the G forwards in threads, gather the outputs on GPU 0.
+    # Backward runs through the same graph, so the replicas' gradients are summed into the
+    # one real copy on GPU 0: the result is the full-batch gradient, as on one device.
+    # Per-replica state would not be shared: a BatchNorm would normalize each slice with its
+    # own statistics (SyncBatchNorm fixes that, in DDP); SimpleModel has none.
+    dp_model = DataParallel(model)  # device_ids: every visible GPU; without GPUs, a no-op
+    # --- end DataParallel ---
+    optimizer = torch.optim.Adam(dp_model.parameters(), lr=args.lr)
+
+    dataset = make_dataset()
+    # One process sees the whole batch. Each epoch's order is the permutation drawn from
+    # seed + epoch, the same one DistributedSampler draws in ddp.py, so both scripts train
+    # on the same batches and end with the same weights.
+    generator = torch.Generator()
+    sampler = RandomSampler(dataset, generator=generator)
+    micro_batch = args.batch_size // args.accum_steps
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    for step in range(args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0:
+            generator.manual_seed(args.seed + epoch)
+            micro_batches = iter(loader)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            # DataParallel scatters from wherever the batch is; GPU 0 saves one copy.
+            x, y = x.to(device), y.to(device)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            loss = F.mse_loss(dp_model(x), y) / args.accum_steps
+            loss.backward()
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
+    return model, final_loss
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = setup(args)
+    model, _ = train(args, device)
+    if args.save:
+        # The unwrapped model: DataParallel's own state_dict names every weight
+        # "module.<name>", and SimpleModel.load_state_dict(strict=True) would refuse those keys.
+        save_atomic(model.state_dict(), args.save)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""DistributedDataParallel (DDP): one process per device, gradients averaged during backward.
+
+What it teaches
+    Each process holds a full copy of SimpleModel and trains on its own shard of every global
+    batch. During backward, DDP all-reduces the gradients bucket by bucket (overlapping the
+    communication with the rest of backward), so after `loss.backward()` every replica holds
+    the gradient of the *whole* global batch and the optimizer steps stay identical on all ranks.
+    With global batch B on N ranks (B/N per rank), the result equals one device with batch B:
+    the tests in tests/ prove it to ~1e-7.
+
+When to use it
+    Whenever the model fits on one device and you have more than one device: one machine or
+    many, GPUs or CPUs. PyTorch recommends it over DataParallel even on a single machine.
+When not
+    The model (plus optimizer state) does not fit on one device: shard it (FSDP) or cut it into
+    stages (pipeline.py).
+
+Launch
+    python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
+    python ddp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
+    torchrun --nproc_per_node=2 ddp.py     # what clusters use; same flags after the script
+    # several machines (run on each; ranks are assigned as nodes arrive):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp.py
+    Smallest hardware: any laptop CPU (2 processes over gloo).
+
+What changes from DataParallel
+    diff dataparallel.py ddp.py
+
+Docs
+    https://pytorch.org/docs/stable/notes/ddp.html
+    https://pytorch.org/tutorials/intermediate/ddp_tutorial.html
+Tested with torch 2.13.0 (CPU/gloo).
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
+from common import print0, save_atomic, seed_everything
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                          help="auto: NCCL when every rank has a GPU of its own, else gloo")
+    hardware.add_argument("--nproc", type=positive(int), default=None,
+                          help="workers to start without torchrun (default: GPUs, or 2 on CPU)")
+    hardware.add_argument("--timeout", type=positive(float), default=60.0,
+                          help="seconds a collective may wait for a peer before the job fails")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        args.nproc = args.nproc or gpus or 2
+        world_size = local_world = args.nproc
+    if args.backend == "nccl" and local_world > gpus:
+        # Said here in one line; NCCL itself would fail later with "Duplicate GPU detected".
+        parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} GPU(s); "
+                     "NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
+    if args.batch_size % (world_size * args.accum_steps):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
+                     f"{world_size} x --accum-steps {args.accum_steps}; "
+                     f"use a multiple of {world_size * args.accum_steps}")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    if args.save and not os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK):
+        parser.error(f"--save {args.save}: its folder does not exist or is not writable; "
+                     "create it first")
+    return args
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # which shard of the data this process trains on
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist. The modulo lets several gloo ranks share one GPU.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # Before init_process_group: NCCL binds to the *current* device, and without this
+        # every rank would create its context and buffers on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
+        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda and local_world <= torch.cuda.device_count() else "gloo"
+    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
+    # job that waits forever (the default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
+    print0(f"ddp: {world_size} ranks | backend {backend} | device {device.type} | "
+           f"torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def train(args, rank, world_size, device):
+    """Train; return the unwrapped model and the final loss (averaged over all ranks)."""
+    # Same seed on every rank, so every replica starts from the same weights. (DDP would
+    # broadcast rank 0's weights anyway; seeding keeps anything else you build in step too.)
+    seed_everything(args.seed)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    # --- DDP: wrap the model ---
+    # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
+    # each bucket of gradients as soon as backward has produced it.
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # --- end DDP ---
+    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
+
+    dataset = make_dataset()
+    # --- DDP: shard the data ---
+    # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
+    # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
+    # B/N samples per rank, optimizer step k therefore sees positions k*B .. k*B+B-1 of the
+    # permutation spread over the N ranks: exactly the batch one device with batch B sees at
+    # step k. Since DDP averages the N per-rank mean gradients, the update is the same too.
+    # drop_last drops the tail the same way for any N that divides B.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    micro_batch = args.batch_size // (world_size * args.accum_steps)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # --- end DDP ---
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    for step in range(args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0:
+            # Without set_epoch every epoch replays epoch 0's order (the seed never moves).
+            sampler.set_epoch(epoch)
+            micro_batches = iter(loader)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # --- DDP: accumulate gradients without communicating ---
+            # no_sync() skips the all-reduce; it must cover forward *and* backward, because
+            # forward is where DDP decides whether the coming backward will sync. The last
+            # micro-batch syncs the accumulated sum in one go.
+            last = micro == args.accum_steps - 1
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                # Divided by K so that K micro-batch gradients add up to the mean over the
+                # whole batch, not K times it (which would act like a K times larger lr).
+                loss = F.mse_loss(ddp_model(x), y) / args.accum_steps
+                loss.backward()
+            # --- end DDP ---
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # A collective, so every rank must reach it at the same steps: the condition
+            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            final_loss = loss_sum.item() / world_size
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
+    return model, final_loss
+
+
+def run(args):
+    """What each worker process does: join, train, save, leave."""
+    rank, world_size, device = setup(args)
+    model, _ = train(args, rank, world_size, device)
+    if args.save and rank == 0:
+        # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
+        # SimpleModel.load_state_dict(strict=True) would refuse those keys.
+        save_atomic(model.state_dict(), args.save)
+    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
+    # collective that we will never join, and tearing the group down under it can deadlock
+    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
+    dist.destroy_process_group()
+
+
+def free_port():
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(local_rank, args, port):
+    """Entry point of a worker started by `python ddp.py`: set what torchrun would set."""
+    # torchrun also sets OMP_NUM_THREADS=1; without a limit, N workers each start one thread
+    # per core and fight over the cores (2-3x slower on a laptop CPU).
+    torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_WORLD_SIZE=str(args.nproc))
+    run(args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        run(args)  # torchrun started one process per rank; this is one of them
+    else:
+        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
+        # for all, and if one fails it terminates the others and raises here.
+        mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

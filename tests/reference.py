@@ -1,0 +1,37 @@
+"""The oracle: SimpleModel trained on one device, written as plainly as possible.
+
+Nothing here is imported from the scripts under test; only the model and the data (common.py)
+are shared. Every strategy in this collection must end with the weights this loop ends with.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from common import SimpleModel, make_dataset
+
+
+def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None):
+    """Return (initial state_dict, final state_dict, loss of every step).
+
+    clip: if given, the gradient norm is clipped to it before each step (amp.py's --clip).
+    """
+    torch.manual_seed(seed)
+    model = SimpleModel(hidden=hidden, blocks=blocks)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    x, y = make_dataset().tensors
+    steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
+    losses = []
+    for step in range(steps):
+        epoch, k = divmod(step, steps_per_epoch)
+        if k == 0:  # a fresh permutation each epoch, drawn from seed + epoch
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
+        batch = order[k * batch_size:(k + 1) * batch_size]
+        loss = F.mse_loss(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return initial, model.state_dict(), losses

@@ -1,0 +1,127 @@
+"""amp.py: fp32 is the baseline exactly; bf16 and fp16 train to nearly the same loss; the
+GradScaler skips bad steps and clips true gradients."""
+
+import importlib
+
+import pytest
+import torch
+
+from common import IN_FEATURES, SimpleModel
+from conftest import (JOB, JOB_FLAGS, fails_clearly, load_saved, logged_losses, max_diff,
+                      needs_cuda, ok, python)
+from reference import reference_train
+
+amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
+
+# Measured on CPU, torch 2.13.0, JOB (8 steps): the final loss of bf16 is 4e-5 and of fp16
+# 1.1e-3 away from fp32's, relative. bf16 keeps 8 mantissa bits (rounding error up to 0.4% per
+# op), fp16 11 but with loss scaling in the way; errors mostly average out over a batch of 1200.
+# A 1% bound leaves ~9x margin on fp16 and still fails a run that trains wrongly (a skipped
+# update alone moves the loss by ~10% at this point).
+LOW_PRECISION_REL_TOL = 0.01
+CLIP = 0.05  # small enough that clipping is active at every step of JOB
+
+
+def test_fp32_is_exactly_the_baseline_including_clipping(tmp_path):
+    _, clipped, _ = reference_train(**JOB, clip=CLIP)
+    _, unclipped, _ = reference_train(**JOB)
+    assert max_diff(clipped, unclipped) > 1e-3  # the clip really changes the run
+    ok(python("amp.py", *JOB_FLAGS, "--dtype=fp32", f"--clip={CLIP}",
+              f"--save={tmp_path / 'w.pt'}"))
+    assert max_diff(load_saved(tmp_path / "w.pt"), clipped) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_on_cpu_trains_to_the_fp32_loss(dtype, reference):
+    out = ok(python("amp.py", *JOB_FLAGS, f"--dtype={dtype}", "--device=cpu"))
+    assert f"dtype {dtype}" in out
+    losses = logged_losses(out)
+    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)
+
+
+def test_default_dtype_on_cpu_is_bf16():
+    assert "amp: dtype bf16 | device cpu" in ok(python("amp.py", "--device=cpu", "--steps=2"))
+
+
+def _scaled_backward(scaler, model=None):
+    """A model whose .grad holds scaled gradients, as after `scaler.scale(loss).backward()`."""
+    if model is None:
+        torch.manual_seed(0)
+        model = SimpleModel(hidden=8, blocks=1)
+    x = torch.randn(64, IN_FEATURES, generator=torch.Generator().manual_seed(1))
+    loss = 100 * model(x).pow(2).mean()  # large enough that the gradient norm exceeds 1
+    scaler.scale(loss).backward()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_step_with_inf_gradient_is_skipped_and_scale_backs_off():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model, optimizer = _scaled_backward(scaler)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    next(model.parameters()).grad[0, 0] = float("inf")
+    _, skipped = amp.optimizer_step(model, optimizer, scaler, clip=1.0)
+    assert skipped
+    assert max_diff(model.state_dict(), before) == 0.0  # weights untouched
+    assert scaler.get_scale() == 512.0  # backed off by the default factor 0.5
+    # and the next clean step goes through
+    model, optimizer = _scaled_backward(scaler, model)
+    _, skipped = amp.optimizer_step(model, optimizer, scaler, clip=1.0)
+    assert not skipped and max_diff(model.state_dict(), before) > 0
+
+
+def test_gradients_are_unscaled_before_clipping():
+    scale = 65536.0
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    model, optimizer = _scaled_backward(scaler)
+    true_norm = torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() / scale for p in model.parameters()]))
+    assert true_norm > 1.0  # so that clip=1.0 bites
+    seen = []
+    optimizer.step = lambda: seen.append(  # look at the gradients the optimizer receives
+        torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
+    norm, skipped = amp.optimizer_step(model, optimizer, scaler, clip=1.0)
+    assert not skipped
+    assert norm.item() == pytest.approx(true_norm.item(), rel=1e-5)  # the true norm, not x65536
+    assert seen[0].item() == pytest.approx(1.0, rel=1e-4)  # clipped to exactly the bound
+
+
+def test_fp16_checkpoint_resumes_with_its_scaler_to_the_same_weights(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    ok(python("amp.py", *JOB_FLAGS, "--dtype=fp16", "--steps=8", f"--save={tmp_path / 'a.pt'}"))
+    ok(python("amp.py", *JOB_FLAGS, "--dtype=fp16", "--steps=3", f"--checkpoint={ckpt}"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["step"] == 3 and state["scaler"]["scale"] > 0
+    out = ok(python("amp.py", *JOB_FLAGS, "--dtype=fp16", "--steps=8", f"--checkpoint={ckpt}",
+                    f"--save={tmp_path / 'b.pt'}"))
+    assert "resumed" in out and "at step 3" in out
+    assert max_diff(load_saved(tmp_path / "a.pt"), load_saved(tmp_path / "b.pt")) == 0.0
+
+
+def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_survives(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"not a checkpoint")
+    fails_clearly(python("amp.py", "--steps=2", f"--checkpoint={ckpt}"),
+                  f"--checkpoint {ckpt}: cannot be read")
+    assert ckpt.read_bytes() == b"not a checkpoint"
+    ok(python("amp.py", "--steps=2", "--hidden=16", f"--checkpoint={ckpt}.ok"))
+    good = (tmp_path / "ckpt.pt.ok").read_bytes()
+    fails_clearly(python("amp.py", "--steps=4", "--hidden=32", f"--checkpoint={ckpt}.ok"),
+                  "another model size", "--hidden")
+    assert (tmp_path / "ckpt.pt.ok").read_bytes() == good
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_on_cuda_trains_to_the_fp32_loss(dtype, reference):
+    out = ok(python("amp.py", *JOB_FLAGS, f"--dtype={dtype}", "--device=cuda"))
+    losses = logged_losses(out)
+    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)
+
+
+@needs_cuda
+def test_fp32_on_cuda_equals_one_device(reference, tmp_path):
+    ok(python("amp.py", *JOB_FLAGS, "--dtype=fp32", "--device=cuda", "--clip=0",
+              f"--save={tmp_path / 'w.pt'}"))
+    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
