@@ -133,6 +133,7 @@ def train(args, device, dtype):
     """Train; return the model and the final loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    state = load_checkpoint(args, model, device) if args.checkpoint else None
     # The weights stay fp32 ("master weights"): autocast casts them to 16 bits on the fly
     # inside each op, so the optimizer's small updates are not rounded away.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -144,23 +145,13 @@ def train(args, device, dtype):
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[dtype]
     # --- end AMP ---
     start_step = 0
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        try:
-            state = torch.load(args.checkpoint, map_location=device, weights_only=True)
-        except Exception as e:  # truncated, not a checkpoint, ...: left as it is
-            raise SystemExit(f"--checkpoint {args.checkpoint}: cannot be read "
-                             f"({type(e).__name__}); move it away or pick another path")
-        try:
-            model.load_state_dict(state["model"])
-        except RuntimeError as e:  # another --hidden/--blocks: say so in one line
-            raise SystemExit(f"--checkpoint {args.checkpoint}: saved with another model size "
-                             f"({str(e).splitlines()[1].strip()}); use its --hidden/--blocks")
+    if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         # The scale it had learned: without it a resumed fp16 run starts again at 65536 and
         # skips its first steps backing off to where it already was.
         scaler.load_state_dict(state["scaler"])
         start_step = state["step"]
-        print(f"amp: resumed from {args.checkpoint} at step {start_step}", flush=True)
+        print0(f"amp: resumed from {args.checkpoint} at step {start_step}")
 
     dataset = make_dataset()
     # Each epoch's order is the permutation drawn from seed + epoch, the same one
@@ -207,11 +198,43 @@ def train(args, device, dtype):
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
     if args.checkpoint:
-        # Everything a resumed run needs to continue as if never stopped: the scaler's state
-        # (its current scale and growth tracker) belongs next to the model and optimizer.
-        save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scaler": scaler.state_dict(), "step": args.steps}, args.checkpoint)
+        save_checkpoint(args, model, optimizer, scaler, args.steps)
     return model, final_loss
+
+
+def save_checkpoint(args, model, optimizer, scaler, step):
+    """Everything a resumed run needs to continue as if it had never stopped."""
+    # The scaler's state (its current scale and growth tracker) belongs next to the model
+    # and the optimizer: fp16 training is not resumable without it.
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scaler": scaler.state_dict(), "step": step,
+                 "batch_size": args.batch_size, "seed": args.seed}, args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model, device):
+    """Read --checkpoint if it exists (None if not); a bad one stops with one line."""
+    if not os.path.exists(args.checkpoint):
+        return None
+
+    def fail(why):
+        raise SystemExit(f"amp.py: error: --checkpoint {args.checkpoint}: {why}")
+
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        if "size mismatch" in str(e) or "Missing key" in str(e):
+            fail("saved with another model size; use its --hidden and --blocks")
+        fail(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    except Exception as e:  # truncated, not a torch file, not a dict...
+        fail(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if state[key] != getattr(args, key):
+            fail(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
+                 f"order would not continue; use {flag} {state[key]}")
+    return state
 
 
 def main(argv=None):

@@ -6,8 +6,10 @@ this file does nothing but define things.
 """
 
 import argparse
+import datetime
 import os
 import resource
+import sys
 import tempfile
 import time
 
@@ -179,3 +181,91 @@ class Meter:
 def log_line(step, steps, loss, samples_per_s):
     """The per-step line every script prints, so their logs can be compared side by side."""
     return f"step {step:5d}/{steps} | loss {loss:.6f} | {samples_per_s:10.1f} samples/s"
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics: run this file, not import it.
+#   python common.py                          what this machine has, and the launch that fits
+#   torchrun --nproc_per_node=2 common.py     can the ranks talk, and how fast (all-reduce)
+# ---------------------------------------------------------------------------------------------
+
+
+def environment_report():
+    """Versions, GPUs, peer access, process-group backends, and the launch command that fits."""
+    lines = [f"torch {torch.__version__} | python {sys.version.split()[0]} | "
+             f"{os.cpu_count()} CPU cores | {torch.get_num_threads()} torch threads"]
+    gpus = torch.cuda.device_count()
+    if gpus:
+        lines.append(f"CUDA {torch.version.cuda} | cuDNN {torch.backends.cudnn.version()} | "
+                     f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+        for i in range(gpus):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"cuda:{i} {p.name} | {p.total_memory / 2**30:.1f} GiB | "
+                         f"compute capability {p.major}.{p.minor} | "
+                         f"bf16 {'yes' if p.major >= 8 else 'no (use fp16 + GradScaler)'}")
+        for i in range(gpus):
+            for j in range(i + 1, gpus):
+                # Without peer access, GPU-to-GPU copies bounce through host memory.
+                ok = torch.cuda.can_device_access_peer(i, j)
+                lines.append(f"peer access cuda:{i} <-> cuda:{j}: {'yes' if ok else 'no'}")
+    else:
+        lines.append("CUDA: no GPU visible" + (" (CPU-only build of torch)"
+                                               if torch.version.cuda is None else ""))
+    backends = [name for name, available in (("gloo", dist.is_gloo_available()),
+                                             ("nccl", dist.is_nccl_available()),
+                                             ("mpi", dist.is_mpi_available()))
+                if available]
+    lines.append(f"process-group backends: {', '.join(backends)}")
+    nproc = gpus or 2
+    lines.append(f"launch: torchrun --nproc_per_node={nproc} ddp.py   "
+                 f"({'one rank per GPU, NCCL' if gpus else 'CPU ranks over gloo'}); "
+                 f"check first: torchrun --nproc_per_node={nproc} common.py")
+    return "\n".join(lines)
+
+
+def communication_check(timeout_s=60, sizes=tuple(4**k for k in range(7, 13)), iters=10):
+    """Under torchrun: verify an all-reduce on every rank, then measure its bandwidth."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_nccl = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= \
+        torch.cuda.device_count()
+    device = torch.device("cuda", local_rank) if use_nccl else torch.device("cpu")
+    if use_nccl:
+        torch.cuda.set_device(device)
+    # A peer that never arrives, or cannot be reached, ends in an error after timeout_s.
+    dist.init_process_group("nccl" if use_nccl else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    backend = dist.get_backend()
+    x = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(x)
+    expected = world * (world + 1) / 2
+    if not torch.all(x == expected):
+        raise SystemExit(f"rank {rank}: all-reduce gave {x.tolist()}, expected {expected}")
+    dist.barrier()
+    print0(f"all-reduce verified on {world} ranks ({backend}, {device.type}); barrier passed")
+    print0(f"{'bytes':>12} {'time (us)':>12} {'algbw (GB/s)':>14} {'busbw (GB/s)':>14}")
+    for numel in sizes:
+        t = torch.ones(numel, device=device)
+        for _ in range(2):  # warm-up: connection setup, buffers
+            dist.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / iters
+        # nccl-tests' definitions: algbw = bytes / time; busbw = algbw * 2(n-1)/n, what each
+        # link carries in a ring all-reduce, comparable to the hardware's link bandwidth.
+        algbw = numel * 4 / seconds / 1e9
+        print0(f"{numel * 4:12d} {seconds * 1e6:12.1f} {algbw:14.3f} "
+               f"{algbw * 2 * (world - 1) / world:14.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        communication_check()
+    else:
+        print(environment_report())

@@ -3,8 +3,10 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,30 +28,78 @@ needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                   reason=f"needs 2 GPUs, found {torch.cuda.device_count()}")
 
 
-def launch(*cmd, timeout=90, env=None):
-    """Run a command from the repo root. A hung collective fails the test after `timeout`
-    seconds (the whole process group, workers included, is killed) instead of hanging CI."""
+def start(*cmd, env=None, merge_stderr=False):
+    """Start a command from the repo root, in a process group of its own (see finish)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=full_env, text=True,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             start_new_session=True)
+
+
+def finish(proc, timeout=90):
+    """Wait for a started command. A hung collective fails the test after `timeout` seconds
+    (the whole process group, workers included, is killed) instead of hanging CI."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} still running after {timeout}s\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        pytest.fail(f"{' '.join(proc.args)} still running after {timeout}s\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def launch(*cmd, timeout=90, env=None):
+    return finish(start(*cmd, env=env), timeout)
+
+
+def launch_together(commands, timeout=150):
+    """Run several commands at the same time; return their results in order. Independent
+    runs overlap one's imports and rendezvous with another's compute: the suite stays fast."""
+    procs = [start(*cmd) for cmd in commands]
+    try:
+        return [finish(proc, timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def python_cmd(script, *args):
+    return [sys.executable, script, *args]
+
+
+def torchrun_cmd(nproc, script, *args):
+    # --standalone picks a free port, so tests never collide on torchrun's default 29500.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", script, *args]
 
 
 def python(script, *args, **kw):
-    return launch(sys.executable, script, *args, **kw)
+    return launch(*python_cmd(script, *args), **kw)
 
 
 def torchrun(nproc, script, *args, **kw):
-    # --standalone picks a free port, so tests never collide on torchrun's default 29500.
-    return launch(sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc_per_node={nproc}", script, *args, **kw)
+    return launch(*torchrun_cmd(nproc, script, *args), **kw)
+
+
+def launch_runs(script, runs, folder):
+    """Launch every run of `runs` at once. `runs` is {name: (N, flags)}: N ranks under torchrun,
+    or N = None for `python script`; each run trains JOB with its flags and saves its weights.
+    Return {name: (result, path it saved to)}."""
+    commands, paths = [], []
+    for i, (nproc, flags) in enumerate(runs.values()):
+        paths.append(folder / f"{i}.pt")
+        args = [*JOB_FLAGS, *flags, f"--save={paths[-1]}"]
+        commands.append(python_cmd(script, *args) if nproc is None
+                        else torchrun_cmd(nproc, script, *args))
+    return dict(zip(runs, zip(launch_together(commands), paths)))
+
+
+def succeeded(run):
+    """(stdout, saved weights) of a run from launch_runs, once it is known to have exited 0."""
+    result, path = run
+    return ok(result), load_saved(path)
 
 
 def ok(result):
@@ -88,3 +138,71 @@ def reference():
     """The oracle's final weights for JOB (computed once)."""
     from reference import reference_train
     return reference_train(**JOB)
+
+
+def worker_pids(launcher_pid, script):
+    """PIDs of the workers a launcher started: torchrun's run `script`, mp.spawn's spawn_main."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # the process ended while we looked
+            continue
+        if ppid == launcher_pid and (script.encode() in cmdline or b"spawn_main" in cmdline):
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def launch_and_kill_a_worker(*cmd, script, when, timeout=90):
+    """Start `cmd`; once a line of its output contains `when`, SIGKILL its last worker.
+    Return (CompletedProcess with stdout and stderr together, seconds from kill to exit)."""
+    proc = start(*cmd, merge_stderr=True)
+    lines, killed_at = [], None
+    deadline = time.monotonic() + timeout
+    try:
+        for line in proc.stdout:  # ends when the launcher exits
+            lines.append(line)
+            if killed_at is None and when in line:
+                victims = worker_pids(proc.pid, script)
+                assert victims, "no worker process found"
+                os.kill(victims[-1], signal.SIGKILL)
+                killed_at = time.monotonic()
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running after {timeout}s:\n{''.join(lines)}")
+    assert killed_at is not None, f"never saw {when!r}:\n{''.join(lines)}"
+    out = "".join(lines)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, out), time.monotonic() - killed_at
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def refused_in_one_line(script, flags, message, capsys):
+    """parse_args of `script` (imported, not launched) exits 2 with exactly one error line,
+    which contains `message`. Bad flags are refused before any process or group starts."""
+    import importlib
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(script).parse_args(flags)
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.fixture
+def as_torchrun(monkeypatch):
+    """The environment torchrun gives each worker of a job with `n` ranks on this machine."""
+    def set_world(n):
+        for var, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(n),
+                           "LOCAL_WORLD_SIZE": str(n)}.items():
+            monkeypatch.setenv(var, value)
+    return set_world

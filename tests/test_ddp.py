@@ -5,8 +5,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from common import make_dataset
-from conftest import (JOB, JOB_FLAGS, fails_clearly, load_saved, logged_losses, max_diff,
-                      needs_2_gpus, needs_cuda, ok, python, torchrun)
+from conftest import (JOB_FLAGS, fails_clearly, launch_runs, load_saved, logged_losses, max_diff,
+                      needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, succeeded,
+                      torchrun)
 
 # Measured on a 2-core CPU, torch 2.13.0: 1 rank is bit-identical to the oracle; 2 and 3 ranks
 # and accumulation differ by at most 8.2e-8 (summing the batch in another order changes the
@@ -15,45 +16,51 @@ from conftest import (JOB, JOB_FLAGS, fails_clearly, load_saved, logged_losses, 
 TOL = 1e-6
 
 
+# name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB.
+RUNS = {
+    "torchrun 1 rank": (1, []),
+    "torchrun 2 ranks": (2, []),
+    "torchrun 3 ranks": (3, []),
+    "torchrun 2 ranks, accum 2": (2, ["--accum-steps=2"]),
+    "torchrun 2 ranks, accum 3": (2, ["--accum-steps=3"]),
+    "spawn 2 ranks": (None, ["--nproc=2", "--device=cpu"]),
+}
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """torchrun --nproc_per_node=2 ddp.py on JOB, saved once for several tests."""
-    path = tmp_path_factory.mktemp("ddp") / "two_ranks.pt"
-    out = ok(torchrun(2, "ddp.py", *JOB_FLAGS, f"--save={path}"))
-    return load_saved(path), out
+def runs(tmp_path_factory):
+    return launch_runs("ddp.py", RUNS, tmp_path_factory.mktemp("ddp"))
 
 
-@pytest.mark.parametrize("nproc", [1, 3])
-def test_ddp_on_n_ranks_equals_one_device(nproc, reference, tmp_path):
-    ok(torchrun(nproc, "ddp.py", *JOB_FLAGS, f"--save={tmp_path / 'w.pt'}"))
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
+def weights(runs, name):
+    return succeeded(runs[name])[1]
 
 
-def test_ddp_on_2_ranks_equals_one_device(two_ranks, reference):
-    weights, out = two_ranks
-    assert max_diff(weights, reference[1]) < TOL
-    # The logged loss is the average over ranks: the oracle's loss on the whole batch.
-    first, last = logged_losses(out)[0], logged_losses(out)[-1]
-    assert first == pytest.approx(reference[2][0], abs=1e-5)
-    assert last == pytest.approx(reference[2][-1], abs=1e-5)
+@pytest.mark.parametrize("name", ["torchrun 1 rank", "torchrun 2 ranks", "torchrun 3 ranks"])
+def test_ddp_on_n_ranks_equals_one_device(name, runs, reference):
+    assert max_diff(weights(runs, name), reference[1]) < TOL
 
 
-@pytest.mark.parametrize("accum", [2, 3])
-def test_gradient_accumulation_equals_one_big_batch(accum, reference, tmp_path):
-    ok(torchrun(2, "ddp.py", *JOB_FLAGS, f"--accum-steps={accum}", f"--save={tmp_path / 'w.pt'}"))
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
+def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference):
+    losses = logged_losses(succeeded(runs["torchrun 2 ranks"])[0])
+    assert losses[0] == pytest.approx(reference[2][0], abs=1e-5)
+    assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-def test_spawn_path_equals_torchrun_path(two_ranks, tmp_path):
-    ok(python("ddp.py", "--nproc=2", "--device=cpu", *JOB_FLAGS, f"--save={tmp_path / 'w.pt'}"))
-    assert max_diff(load_saved(tmp_path / "w.pt"), two_ranks[0]) == 0.0
+@pytest.mark.parametrize("name", ["torchrun 2 ranks, accum 2", "torchrun 2 ranks, accum 3"])
+def test_gradient_accumulation_equals_one_big_batch(name, runs, reference):
+    assert max_diff(weights(runs, name), reference[1]) < TOL
 
 
-def test_every_layer_is_trained(two_ranks, reference):
+def test_spawn_path_equals_torchrun_path(runs):
+    assert max_diff(weights(runs, "spawn 2 ranks"), weights(runs, "torchrun 2 ranks")) == 0.0
+
+
+def test_every_layer_is_trained(runs, reference):
     """Gradients reach every parameter: each tensor moved away from its initial value."""
-    initial, weights = reference[0], two_ranks[0]
-    for name in weights:
-        assert (weights[name] - initial[name]).abs().max() > 1e-4, f"{name} did not train"
+    initial, final = reference[0], weights(runs, "torchrun 2 ranks")
+    for name in final:
+        assert (final[name] - initial[name]).abs().max() > 1e-4, f"{name} did not train"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -82,7 +89,7 @@ def test_default_run_trains_and_exits_cleanly_every_time(tmp_path):
     (no 'terminate called without an active exception' at interpreter exit), and the weights
     are bit-identical run to run."""
     saved = []
-    for i in range(4):
+    for i in range(3):
         result = torchrun(2, "ddp.py", f"--save={tmp_path / f'{i}.pt'}")
         losses = logged_losses(ok(result))
         assert "terminate called" not in result.stderr
@@ -91,11 +98,12 @@ def test_default_run_trains_and_exits_cleanly_every_time(tmp_path):
     assert all(max_diff(s, saved[0]) == 0.0 for s in saved)
 
 
-def test_batch_not_divisible_by_world_size_is_a_clear_error(tmp_path):
+def test_batch_not_divisible_by_world_size_is_a_clear_error(as_torchrun, capsys):
     fails_clearly(python("ddp.py", "--nproc=3", "--device=cpu", "--batch-size=64"),
-                  "--batch-size 64", "multiple of 3")
-    fails_clearly(torchrun(2, "ddp.py", "--batch-size=64", "--accum-steps=3"),
-                  "--batch-size 64", "multiple of 6")
+                  "--batch-size 64 must be divisible by world size 3", "multiple of 3")
+    as_torchrun(2)
+    refused_in_one_line("ddp", ["--batch-size=64", "--accum-steps=3"],
+                        "world size 2 x --accum-steps 3; use a multiple of 6", capsys)
 
 
 @needs_cuda

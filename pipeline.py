@@ -1,0 +1,312 @@
+"""Model parallelism and pipeline parallelism: cut SimpleModel into stages, one per device.
+
+What it teaches
+    When a model does not fit on one device, cut its layers into consecutive stages and put
+    each stage on its own device. Two ways, one file:
+    - `python pipeline.py`: model parallelism in one process. Activations travel from stage
+      to stage inside forward (`x.to(next_device)`), and autograd carries the gradients back.
+      Only one stage works at a time, so with S stages each GPU idles (S-1)/S of the time.
+    - `torchrun --nproc_per_node=2 pipeline.py`: pipeline parallelism with
+      torch.distributed.pipelining. One process per stage; the batch is cut into
+      micro-batches that flow through the stages like an assembly line, so the stages work
+      at the same time on different micro-batches. Idle time shrinks to the "bubble" below.
+    Both end with the same weights as one device with the same global batch (tests/).
+
+    `torch.distributed.pipeline.sync.Pipe`, which many guides still show, is gone: it was
+    deprecated in PyTorch 2.2 and removed in 2.4. torch.distributed.pipelining (introduced in
+    2.4) replaces it, and runs across processes and machines instead of threads in one process.
+
+    Schedules, 2 stages and 4 micro-batches, one time slot per forward (F) or backward (B):
+
+        t:          1   2   3   4   5   6   7   8   9   10
+        GPipe
+          stage 0:  F0  F1  F2  F3  .   .   B0  B1  B2  B3     all forwards, then all
+          stage 1:  .   F0  F1  F2  F3  B0  B1  B2  B3  .      backwards
+        1F1B
+          stage 0:  F0  F1  .   B0  F2  B1  F3  B2  .   B3     one forward, one backward
+          stage 1:  .   F0  B0  F1  B1  F2  B2  F3  B3  .      as soon as possible
+
+    Each stage idles p-1 of m+p-1 slots in each direction (the "." above): the bubble fraction
+    (p-1)/(m+p-1) = 1/5 here, so at best m/(m+p-1) = 80% of the ideal speed. More micro-batches
+    shrink the bubble. 1F1B has the same bubble but frees each micro-batch's activations as soon
+    as its backward has run: stage 0 holds at most p = 2 micro-batches of activations instead of
+    GPipe's m = 4, which is why 1F1B is the default choice for large m.
+
+When to use it
+    The model (with its optimizer state) does not fit on one device, and its layers can be cut
+    into a chain. Pipelining also spans machines with slow links well: only activations at the
+    cuts travel, not all the gradients.
+When not
+    The model fits on one device: ddp.py is simpler and faster (no bubble). Within one machine
+    with fast links, sharding (FSDP) is often the easier way to fit a large model.
+
+Launch
+    python pipeline.py                              # model parallel: stages on cuda:0, cuda:1...
+    torchrun --nproc_per_node=2 pipeline.py         # pipeline: 2 stages, GPipe, 4 micro-batches
+    torchrun --nproc_per_node=3 pipeline.py --schedule 1f1b --microbatches 6
+    Smallest hardware: any CPU (stages share it; pipeline ranks talk over gloo).
+
+What changes from data parallelism
+    diff ddp.py pipeline.py
+
+Docs
+    https://pytorch.org/docs/stable/distributed.pipelining.html
+    https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html
+Tested with torch 2.13.0 (CPU/gloo).
+"""
+
+import argparse
+import copy
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader, RandomSampler
+
+from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
+from common import print0, save_atomic, seed_everything
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, all micro-batches")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    pipe = parser.add_argument_group("pipeline")
+    pipe.add_argument("--stages", type=positive(int), default=None,
+                      help="model parallel only (under torchrun: the world size); "
+                           "default: the number of GPUs, or 2")
+    pipe.add_argument("--microbatches", type=positive(int), default=4,
+                      help="micro-batches per step (torchrun only)")
+    pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe",
+                      help="order of forwards and backwards (torchrun only)")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                          help="auto: NCCL when every rank has a GPU of its own, else gloo")
+    hardware.add_argument("--timeout", type=positive(float), default=60.0,
+                          help="seconds a send/recv may wait for a peer before the job fails")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    if "RANK" in os.environ:  # torchrun: one stage per rank
+        stages = int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+        if stages < 2:
+            parser.error("pipeline parallelism needs 2 or more ranks "
+                         "(torchrun --nproc_per_node=2 ...); for one process run "
+                         "`python pipeline.py`")
+        if args.backend == "nccl" and local_world > gpus:
+            parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} "
+                         "GPU(s); NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
+        if args.batch_size % args.microbatches:
+            parser.error(f"--microbatches {args.microbatches} must divide --batch-size "
+                         f"{args.batch_size} (micro-batches of equal size); pick a divisor")
+        if args.schedule == "1f1b" and args.microbatches < stages:
+            parser.error(f"--schedule 1f1b needs --microbatches >= stages ({stages}); "
+                         f"use --microbatches {stages} or more")
+    else:
+        stages = args.stages = args.stages or max(gpus, 2)
+    if stages > args.blocks:
+        # Every stage gets at least one block (input layer on the first, output on the last).
+        parser.error(f"{stages} stages but --blocks {args.blocks}: every stage needs a block; "
+                     f"use --blocks {stages} or more, or fewer stages")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    if args.save and not os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK):
+        parser.error(f"--save {args.save}: its folder does not exist or is not writable; "
+                     "create it first")
+    return args
+
+
+def setup(args):
+    """Return this process's rank, the number of ranks, and the device of each local stage."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
+        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        torch.set_float32_matmul_precision("highest")
+    if "RANK" not in os.environ:
+        # Model parallelism: this one process drives every stage.
+        gpus = torch.cuda.device_count() if use_cuda else 0
+        devices = [torch.device("cuda", i % gpus) if gpus else torch.device("cpu")
+                   for i in range(args.stages)]
+        print(f"pipeline: model parallel | {args.stages} stages on "
+              f"{', '.join(map(str, devices))} | torch {torch.__version__}", flush=True)
+        if len(set(devices)) < len(devices):
+            print(f"pipeline: fewer devices than stages, so stages share a device: the code "
+                  f"path is the same, the memory relief is not", flush=True)
+        return 0, 1, devices
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU (RANK counts over all machines).
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # before init_process_group: NCCL binds to it
+    else:
+        device = torch.device("cpu")
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda and local_world <= torch.cuda.device_count() else "gloo"
+    # The timeout turns a dead peer into an error instead of a send/recv that waits forever.
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
+    print0(f"pipeline: {world_size} stages | schedule {args.schedule} | {args.microbatches} "
+           f"micro-batches | backend {backend} | device {device.type} | torch {torch.__version__}")
+    return rank, world_size, [device]
+
+
+def cut(model, stage, stages):
+    """Stage `stage` of `stages`: a copy of the model that keeps only its share of the blocks,
+    plus the input layer on the first stage and the output layer on the last.
+
+    Deleting from a full copy keeps the full model's parameter names ("blocks.3.linear.weight"),
+    so the stages' state_dicts are slices of the full one and merge back with a dict update.
+    (A model too big for one device is built on the "meta" device first and each stage then
+    materializes only its own part: the same cut, without the memory.)
+    """
+    part = copy.deepcopy(model)
+    names = list(part.blocks.keys())
+    mine = names[stage * len(names) // stages:(stage + 1) * len(names) // stages]
+    for name in names:
+        if name not in mine:
+            del part.blocks[name]
+    if stage != 0:
+        part.input = None
+    if stage != stages - 1:
+        part.output = None
+    return part
+
+
+def train(args, rank, world_size, devices):
+    """Train; return the full model's final weights (on rank 0) and the final loss."""
+    seed_everything(args.seed)  # every rank builds the same full model before cutting it
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+    if world_size == 1:
+        # --- Model parallelism: every stage in this process, each on its device ---
+        stages = [cut(model, i, len(devices)).to(d) for i, d in enumerate(devices)]
+        # --- end model parallelism ---
+    else:
+        # --- Pipeline parallelism: this rank's stage, and the schedule that drives it ---
+        device = devices[0]
+        stages = [cut(model, rank, world_size).to(device)]
+        # PipelineStage knows its neighbours by stage index (rank - 1 and rank + 1) and
+        # works out the activation shapes from the first micro-batch.
+        stage = PipelineStage(stages[0], rank, world_size, device)
+        # loss_fn runs on the last stage, once per micro-batch, and returns that
+        # micro-batch's *mean* loss. Backward of M such losses adds up M mean gradients:
+        # M times the gradient of the whole batch. scale_grads=True (the default, spelled
+        # out here) divides the gradients by M after the last backward, so the optimizer
+        # sees exactly the gradient one device computes on the whole batch.
+        schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
+                                            loss_fn=F.mse_loss, scale_grads=True)
+        is_first, is_last = rank == 0, rank == world_size - 1
+        # --- end pipeline parallelism ---
+    # Each stage's optimizer sees only its own parameters; together they are one Adam.
+    optimizer = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=args.lr)
+
+    dataset = make_dataset()
+    # Every rank walks through the same global batches (the first stage needs the inputs,
+    # the last the targets): the permutation drawn from seed + epoch, as in every script.
+    generator = torch.Generator()
+    sampler = RandomSampler(dataset, generator=generator)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(loader)
+
+    meter = Meter(devices[-1])
+    for step in range(args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0:
+            generator.manual_seed(args.seed + epoch)
+            batches = iter(loader)
+        x, y = next(batches)
+        if world_size == 1:
+            # --- Model parallelism: hand the activations from device to device ---
+            # While one stage computes, the others wait: nothing overlaps.
+            for stage_module, device in zip(stages, devices):
+                x = stage_module(x.to(device))
+            loss = F.mse_loss(x, y.to(x.device))
+            loss.backward()  # autograd follows the .to() calls back across the devices
+            loss = loss.detach()
+            # --- end model parallelism ---
+        else:
+            # --- Pipeline parallelism: one call runs the whole schedule ---
+            # The schedule cuts the batch into micro-batches, runs every forward and
+            # backward in its order, sending activations down and gradients up.
+            losses = []
+            if is_first:
+                schedule.step(x.to(device))
+            elif is_last:
+                schedule.step(target=y.to(device), losses=losses)
+            else:
+                schedule.step()
+            # Equal micro-batches: the mean of their losses is the whole batch's loss.
+            loss = torch.stack(losses).mean().detach() if is_last else torch.zeros((), device=device)
+            # --- end pipeline parallelism ---
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            if world_size > 1:
+                # Only the last stage knows the loss; this collective brings it to rank 0,
+                # so every rank must reach it at the same steps.
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            final_loss = loss.item()
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
+
+    # Reassemble the full model: each stage holds a slice of the full state_dict.
+    weights = {}
+    for stage_module in stages:
+        weights.update({k: v.cpu() for k, v in stage_module.state_dict().items()})
+    if world_size > 1:
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(weights, gathered, dst=0)  # every rank sends its slice to rank 0
+        weights = {k: v for part in gathered for k, v in part.items()} if rank == 0 else None
+    return weights, final_loss
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world_size, devices = setup(args)
+    weights, _ = train(args, rank, world_size, devices)
+    if args.save and rank == 0:
+        # The same keys as SimpleModel's own state_dict: it loads with strict=True.
+        save_atomic(weights, args.save)
+    if world_size > 1:
+        # A clean exit only: after an error we never get here, and the exception's non-zero
+        # exit lets torchrun end the other stages (tearing a group down under a peer that is
+        # mid-send can hang: pytorch/torchtitan#1342).
+        gloo = dist.get_backend() == "gloo"
+        dist.destroy_process_group()
+        if gloo:
+            # torch 2.13: let gloo's threads release the last tensors we sent while Python
+            # is still alive, or the process may abort at exit (SIGABRT); see ddp.py's run().
+            time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()

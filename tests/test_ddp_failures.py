@@ -1,0 +1,159 @@
+"""ddp.py survives failures: restarts resume from checkpoints to the same weights, on any
+number of ranks; a dead peer ends the job; bad input is refused in one line."""
+
+import importlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+from conftest import (JOB, JOB_FLAGS, REPO, free_port, launch_and_kill_a_worker, launch_together,
+                      load_saved, max_diff, ok, refused_in_one_line, torchrun, torchrun_cmd)
+from reference import reference_train
+from test_ddp import TOL
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# Long enough (~1-2 s of training) that a worker can be killed mid-run, on a tiny model.
+LONG = dict(JOB, steps=300, batch_size=60)
+LONG_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()]
+
+
+def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_uninterrupted_weights(tmp_path):
+    result, _ = launch_and_kill_a_worker(
+        *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "ddp.py",
+        *LONG_FLAGS, f"--checkpoint={tmp_path / 'ckpt.pt'}", "--checkpoint-every=10",
+        f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
+    assert result.returncode == 0, result.stdout
+    assert "ddp: resumed from" in result.stdout  # the group really restarted from the file
+    _, expected, _ = reference_train(**LONG)
+    assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
+
+
+def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(reference, tmp_path):
+    ok(torchrun(2, "ddp.py", *JOB_FLAGS, "--steps=4", f"--checkpoint={tmp_path / 'c.pt'}"))
+    for nproc in (1, 3):
+        shutil.copy(tmp_path / "c.pt", tmp_path / f"c{nproc}.pt")
+    resumed = launch_together([
+        torchrun_cmd(nproc, "ddp.py", *JOB_FLAGS, f"--checkpoint={tmp_path / f'c{nproc}.pt'}",
+                     f"--save={tmp_path / f'w{nproc}.pt'}") for nproc in (1, 3)])
+    for nproc, result in zip((1, 3), resumed):
+        out = ok(result)
+        assert "resumed from" in out and "at step 4" in out
+        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), reference[1]) < TOL
+
+
+def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    common.save_atomic({"step": torch.tensor(1)}, path)
+
+    def dies_halfway(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # or a full disk, a kill, a power cut...
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_atomic({"step": torch.tensor(2)}, path)
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+
+
+def test_two_nodes_with_c10d_rendezvous_equal_one_node(reference, tmp_path):
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node-rank={i}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test",
+         "ddp.py", *JOB_FLAGS, f"--save={tmp_path / 'w.pt'}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+        outs = [node.communicate(timeout=90)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, out in zip(nodes, outs):
+        assert node.returncode == 0, out
+    assert "ddp: 2 ranks" in "".join(outs)
+    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_dead_peer_ends_the_job_with_an_error(launcher, tmp_path):
+    cmd = ([*TORCHRUN, "--standalone", "--nproc_per_node=2", "ddp.py"] if launcher == "torchrun"
+           else [sys.executable, "ddp.py", "--nproc=2", "--device=cpu"])
+    result, seconds = launch_and_kill_a_worker(
+        *cmd, *LONG_FLAGS, "--timeout=10", "--log-every=1", script="ddp.py", when="step    10/")
+    assert result.returncode != 0
+    assert seconds < 10 + 5  # within the process-group timeout (plus the launcher's teardown)
+
+
+@pytest.mark.parametrize("script", ["ddp", "amp"])
+def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritten(
+        script, tmp_path):
+    """load_checkpoint, which every rank calls before the first collective, stops with one
+    line (SystemExit: exit status 1) and leaves the file as it was."""
+    module = importlib.import_module(script)
+    args = module.parse_args(["--device=cpu", "--nproc=1"] if script == "ddp" else ["--device=cpu"])
+    ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
+    cases = [(b"garbage", "cannot be read")]
+    common.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
+    cases.append((open(ckpt, "rb").read(), "saved with another model size; use its --hidden"))
+    for content, message in cases:
+        with open(ckpt, "wb") as f:
+            f.write(content)
+        with pytest.raises(SystemExit) as exit_:
+            module.load_checkpoint(args, common.SimpleModel(hidden=32), torch.device("cpu"))
+        assert str(exit_.value).startswith(f"{script}.py: error: --checkpoint {ckpt}: {message}")
+        assert open(ckpt, "rb").read() == content
+
+
+def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
+    import ddp
+    args = ddp.parse_args(["--device=cpu", "--nproc=1", "--batch-size=32"])
+    args.checkpoint = str(tmp_path / "ckpt.pt")
+    model = common.SimpleModel()
+    common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0}, args.checkpoint)
+    with pytest.raises(SystemExit, match="written with --batch-size 64, not 32.*use --batch-size 64"):
+        ddp.load_checkpoint(args, model, torch.device("cpu"))
+
+
+# Bad flags are refused by parse_args before any process starts: called here directly, they
+# exit with argparse's status 2 and one "error:" line naming the flag and the fix.
+SCRIPTS = ["dataparallel", "ddp", "amp", "pipeline"]
+BAD_FLAGS = [
+    (["--steps=0"], "--steps: must be greater than 0"),
+    (["--batch-size=-8"], "--batch-size: must be greater than 0"),
+    (["--lr=0"], "--lr: must be greater than 0"),
+    (["--device=tpu"], "--device: invalid choice: 'tpu'"),
+    (["--save=/no/such/folder/w.pt"], "--save /no/such/folder/w.pt: its folder does not exist"),
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_bad_flags_are_refused_in_one_line(script, flags, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    refused_in_one_line(script, flags, message, capsys)
+
+
+DISTRIBUTED_BAD_FLAGS = [
+    (["--backend=mpi"], "--backend: invalid choice: 'mpi'"),
+    (["--device=cuda"], "--device cuda: CUDA is not available here"),
+    (["--backend=nccl", "--device=cpu"], "NCCL needs one GPU per rank"),
+]
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    *[("ddp", f, m) for f, m in DISTRIBUTED_BAD_FLAGS],
+    *[("pipeline", f, m) for f, m in DISTRIBUTED_BAD_FLAGS],
+    ("ddp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
+    ("amp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
+])
+def test_bad_distributed_flags_are_refused_in_one_line(script, flags, message, capsys,
+                                                       as_torchrun):
+    if "--device=cuda" in flags and torch.cuda.is_available():
+        pytest.skip("CUDA is available here, so --device cuda is valid")
+    as_torchrun(2)
+    refused_in_one_line(script, flags, message, capsys)

@@ -1,0 +1,88 @@
+"""pipeline.py: model parallelism and pipelined stages train to the same weights as one device."""
+
+import pytest
+
+from conftest import (JOB_FLAGS, launch_runs, load_saved, logged_losses, max_diff, needs_2_gpus,
+                      needs_cuda, ok, python, refused_in_one_line, succeeded, torchrun)
+
+# Measured on CPU, torch 2.13.0, 4 micro-batches: model parallelism is bit-identical; the
+# pipelines differ by at most ~1e-7 (the gradient is summed over micro-batches, then divided,
+# in another order than one batch's mean). Any real mistake (a missing scale_grads, a stage
+# stepping twice, a misrouted activation) moves the weights by 1e-3 or more.
+TOL = 1e-6
+
+
+RUNS = {  # name: (ranks under torchrun, or None for `python pipeline.py`; flags)
+    "model parallel, 3 stages": (None, ["--stages=3", "--device=cpu"]),
+    "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4"]),
+    "2 stages, 1f1b": (2, ["--schedule=1f1b", "--microbatches=4"]),
+    "3 stages, gpipe": (3, ["--schedule=gpipe", "--microbatches=4"]),
+    "3 stages, 1f1b": (3, ["--schedule=1f1b", "--microbatches=4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launch_runs("pipeline.py", RUNS, tmp_path_factory.mktemp("pipeline"))
+
+
+def test_model_parallel_stages_in_one_process_equal_one_device(runs, reference):
+    out, weights = succeeded(runs["model parallel, 3 stages"])
+    assert "stages share a device" in out  # said once, on a machine with fewer devices
+    assert max_diff(weights, reference[1]) < TOL
+    losses = logged_losses(out)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("name", [name for name in RUNS if "stages," in name])
+def test_pipeline_equals_one_device(name, runs, reference):
+    out, weights = succeeded(runs[name])
+    assert max_diff(weights, reference[1]) < TOL
+    # the loss the last stage computed, brought to rank 0, is the whole batch's loss
+    assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error(as_torchrun, capsys):
+    as_torchrun(2)
+    refused_in_one_line("pipeline", ["--batch-size=64", "--microbatches=5"],
+                        "--microbatches 5 must divide --batch-size 64", capsys)
+
+
+def test_more_stages_than_blocks_is_a_clear_error(as_torchrun, capsys):
+    as_torchrun(3)
+    refused_in_one_line("pipeline", ["--blocks=2"], "3 stages but --blocks 2: every stage "
+                        "needs a block; use --blocks 3 or more", capsys)
+
+
+def test_more_model_parallel_stages_than_blocks_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    refused_in_one_line("pipeline", ["--stages=5", "--blocks=4"], "5 stages but --blocks 4",
+                        capsys)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_a_clear_error(as_torchrun, capsys):
+    as_torchrun(3)
+    refused_in_one_line("pipeline", ["--schedule=1f1b", "--microbatches=2", "--batch-size=60"],
+                        "--schedule 1f1b needs --microbatches >= stages (3)", capsys)
+
+
+def test_one_rank_under_torchrun_is_a_clear_error(as_torchrun, capsys):
+    as_torchrun(1)
+    refused_in_one_line("pipeline", [], "pipeline parallelism needs 2 or more ranks", capsys)
+
+
+@needs_cuda
+def test_model_parallel_on_cuda_equals_one_device(reference, tmp_path):
+    """Two stages on cuda:0 and cuda:1, or both on cuda:0 with one GPU."""
+    out = ok(python("pipeline.py", *JOB_FLAGS, "--stages=2", "--device=cuda",
+                    f"--save={tmp_path / 'w.pt'}"))
+    assert "on cuda:0, cuda:" in out
+    # GPU kernels sum in another order than the CPU's (fp32, TF32 off): ~1e-7 expected.
+    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
+
+
+@needs_2_gpus
+def test_pipeline_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
+    ok(torchrun(2, "pipeline.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
+                f"--save={tmp_path / 'w.pt'}"))
+    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
