@@ -130,16 +130,16 @@ class Meter:
     """Throughput of the training loop, timed the way a benchmark must be.
 
     CUDA kernels run asynchronously, so the clock is read only after `synchronize()`;
-    the first `warmup` steps (allocator, kernel selection, first communication) are not timed.
+    the first `warmup` steps (allocator, kernel selection, first communication) are not timed,
+    unless the run is too short to have any other steps.
     """
 
     def __init__(self, device, warmup=3):
         self.device = device
         self.warmup = warmup
-        self.steps = 0
-        self.samples = 0
-        self.start = None
-        self.last = time.perf_counter()
+        self.steps = self.samples = self.warm_samples = 0
+        self.start = self.last = self._now()
+        self.warm_start = None
 
     def _now(self):
         if self.device.type == "cuda":
@@ -152,26 +152,28 @@ class Meter:
         rate = samples / max(now - self.last, 1e-9)
         self.last = now
         self.steps += 1
+        self.samples += samples
         if self.steps == self.warmup:
-            self.start, self.samples = now, 0
+            self.warm_start, self.warm_samples = now, 0
         elif self.steps > self.warmup:
-            self.samples += samples
+            self.warm_samples += samples
         return rate
 
     def summary(self, loss, flops_per_sample):
         """The final line: steps, final loss, samples/s, step time, peak memory, TFLOP/s."""
-        timed = self.steps - self.warmup
-        elapsed = (self.last - self.start) if timed > 0 else float("nan")
-        rate = self.samples / elapsed if timed > 0 else float("nan")
+        if self.steps > self.warmup:
+            timed, samples, elapsed = (self.steps - self.warmup, self.warm_samples,
+                                       self.last - self.warm_start)
+        else:
+            timed, samples, elapsed = self.steps, self.samples, self.last - self.start
+        rate = samples / max(elapsed, 1e-9)
         if self.device.type == "cuda":
             peak = f"{torch.cuda.max_memory_allocated(self.device) / 2**20:.1f} MiB (CUDA)"
         else:
             # ru_maxrss is in KiB on Linux: the whole process, Python and torch included.
             peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB (RSS)"
-        line = (
-            f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
-            f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}"
-        )
+        line = (f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
+                f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}")
         if self.device.type == "cuda":
             # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
             line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"

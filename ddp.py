@@ -19,9 +19,16 @@ Launch
     python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
     python ddp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
     torchrun --nproc_per_node=2 ddp.py     # what clusters use; same flags after the script
-    # several machines (run on each; ranks are assigned as nodes arrive):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp.py
+    # survive a crash: torchrun restarts the group, which resumes from the checkpoint
+    torchrun --nproc_per_node=2 --max-restarts=3 ddp.py --checkpoint ckpt.pt
+    # several machines, elastic (run the same line on each; 1 to 4 machines may take part,
+    # and ranks are given out in order of arrival, whatever --node-rank says):
+    torchrun --nnodes=1:4 --nproc_per_node=8 --max-restarts=3 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp.py --checkpoint /shared/ckpt.pt
+    # several machines, static (ranks follow --node-rank: 0 on HOST, 1 on the other):
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --master-addr=HOST \
+        --master-port=29500 ddp.py
+    The rendezvous store has no authentication: use it on a trusted network only.
     Smallest hardware: any laptop CPU (2 processes over gloo).
 
 What changes from DataParallel
@@ -164,8 +171,13 @@ def train(args, rank, world_size, device):
     state = load_checkpoint(args, model, device) if args.checkpoint else None
     # --- DDP: wrap the model ---
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
-    # each bucket of gradients as soon as backward has produced it.
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # each bucket of gradients (25 MB by default: bucket_cap_mb) as soon as backward has
+    # produced it, so communication overlaps the rest of backward. gradient_as_bucket_view
+    # makes each .grad a view into its bucket instead of a copy: one memory copy less each
+    # way, and one gradient's worth of memory saved (13% more samples/s on a 2-core CPU, see
+    # README). Don't call .detach_() on such a .grad; zero_grad(set_to_none=True) is fine.
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
     # --- end DDP ---
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
     start_step = 0

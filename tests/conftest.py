@@ -206,3 +206,11 @@ def as_torchrun(monkeypatch):
                            "LOCAL_WORLD_SIZE": str(n)}.items():
             monkeypatch.setenv(var, value)
     return set_world
+
+
+def summary_numbers(stdout):
+    """The numbers of the final summary line: samples/s, ms/step, peak MiB (and TFLOP/s)."""
+    line = next(l for l in stdout.splitlines() if l.startswith("done | "))
+    m = re.search(r"\| ([0-9.]+) samples/s \| ([0-9.]+) ms/step \| peak mem ([0-9.]+) MiB", line)
+    assert m, f"summary line has the wrong format: {line}"
+    return [float(x) for x in m.groups()]

@@ -1,6 +1,7 @@
 """dataparallel.py trains to the same weights as one device."""
 
-from conftest import JOB_FLAGS, load_saved, logged_losses, max_diff, needs_cuda, ok, python
+from conftest import (JOB_FLAGS, load_saved, logged_losses, max_diff, needs_cuda, ok, python,
+                      summary_numbers)
 
 # Measured on CPU, torch 2.13.0: bit-identical (DataParallel without GPUs calls the model).
 TOL = 1e-6
@@ -13,6 +14,7 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, tmp_
     assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
+    assert all(x > 0 for x in summary_numbers(out))
 
 
 @needs_cuda

@@ -7,7 +7,7 @@ from torch.utils.data import DistributedSampler
 from common import make_dataset
 from conftest import (JOB_FLAGS, fails_clearly, launch_runs, load_saved, logged_losses, max_diff,
                       needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, succeeded,
-                      torchrun)
+                      summary_numbers, torchrun)
 
 # Measured on a 2-core CPU, torch 2.13.0: 1 rank is bit-identical to the oracle; 2 and 3 ranks
 # and accumulation differ by at most 8.2e-8 (summing the batch in another order changes the
@@ -91,9 +91,11 @@ def test_default_run_trains_and_exits_cleanly_every_time(tmp_path):
     saved = []
     for i in range(3):
         result = torchrun(2, "ddp.py", f"--save={tmp_path / f'{i}.pt'}")
-        losses = logged_losses(ok(result))
+        out = ok(result)
         assert "terminate called" not in result.stderr
+        losses = logged_losses(out)
         assert losses[-1] < 0.1 * losses[0], losses
+        assert all(x > 0 for x in summary_numbers(out))  # samples/s, ms/step, peak memory
         saved.append(load_saved(tmp_path / f"{i}.pt", hidden=64, blocks=4))
     assert all(max_diff(s, saved[0]) == 0.0 for s in saved)
 

@@ -1,0 +1,21 @@
+"""common.py: the diagnostics find what this machine has and prove the ranks can talk."""
+
+import common
+from conftest import ok, torchrun
+
+
+def test_environment_report_names_torch_backends_and_a_launch_command():
+    report = common.environment_report()
+    assert f"torch {common.torch.__version__}" in report
+    assert "process-group backends: gloo" in report
+    assert "launch: torchrun --nproc_per_node=" in report
+
+
+def test_communication_check_verifies_an_all_reduce_and_measures_bandwidth():
+    out = ok(torchrun(2, "common.py"))
+    assert "all-reduce verified on 2 ranks (gloo, cpu); barrier passed" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 6  # one per message size, 64 KiB .. 64 MiB
+    for nbytes, us, algbw, busbw in rows:
+        assert int(nbytes) > 0 and float(us) > 0 and float(algbw) > 0
+        assert float(busbw) == float(algbw)  # 2(n-1)/n = 1 for two ranks
