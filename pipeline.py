@@ -115,9 +115,16 @@ def parse_args(argv=None):
             parser.error("pipeline parallelism needs 2 or more ranks "
                          "(torchrun --nproc_per_node=2 ...); for one process run "
                          "`python pipeline.py`")
-        if args.backend == "nccl" and local_world > gpus:
-            parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} "
-                         "GPU(s); NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
+        if use_cuda and local_world > gpus:
+            # DDP's gloo fallback (ranks sharing a GPU) does not carry over: gloo sends and
+            # receives CPU tensors only, and a stage's activations live on its GPU.
+            parser.error(f"{local_world} stages on this machine but {gpus} GPU(s): each stage "
+                         "needs a GPU of its own; use fewer ranks or --device cpu")
+        carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
+        if args.backend not in ("auto", carrier):
+            parser.error(f"--backend {args.backend}: the stages send "
+                         f"{'GPU' if use_cuda else 'CPU'} tensors, which only {carrier} carries "
+                         f"here; use --backend {carrier} (or auto)")
         if args.batch_size % args.microbatches:
             parser.error(f"--microbatches {args.microbatches} must divide --batch-size "
                          f"{args.batch_size} (micro-batches of equal size); pick a divisor")
@@ -154,22 +161,19 @@ def setup(args):
         print(f"pipeline: model parallel | {args.stages} stages on "
               f"{', '.join(map(str, devices))} | torch {torch.__version__}", flush=True)
         if len(set(devices)) < len(devices):
-            print(f"pipeline: fewer devices than stages, so stages share a device: the code "
-                  f"path is the same, the memory relief is not", flush=True)
+            print("pipeline: fewer devices than stages, so stages share a device: the code "
+                  "path is the same, the memory relief is not", flush=True)
         return 0, 1, devices
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU (RANK counts over all machines).
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds to it
     else:
         device = torch.device("cpu")
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda and local_world <= torch.cuda.device_count() else "gloo"
+    backend = "nccl" if use_cuda else "gloo"  # parse_args checked that every stage has a GPU
     # The timeout turns a dead peer into an error instead of a send/recv that waits forever.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)

@@ -147,7 +147,9 @@ DISTRIBUTED_BAD_FLAGS = [
 
 @pytest.mark.parametrize("script, flags, message", [
     *[("ddp", f, m) for f, m in DISTRIBUTED_BAD_FLAGS],
-    *[("pipeline", f, m) for f, m in DISTRIBUTED_BAD_FLAGS],
+    ("pipeline", ["--backend=mpi"], "--backend: invalid choice: 'mpi'"),
+    ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
+    ("pipeline", ["--backend=nccl", "--device=cpu"], "the stages send CPU tensors, which only gloo"),
     ("ddp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
     ("amp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
 ])
