@@ -23,7 +23,8 @@ Launch
 
 Docs
     https://pytorch.org/docs/stable/generated/torch.nn.DataParallel.html
-    https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel
+    https://pytorch.org/docs/stable/notes/cuda.html (section "Use nn.parallel.
+    DistributedDataParallel instead of multiprocessing or nn.DataParallel")
 Tested with torch 2.13.0 (CPU).
 """
 

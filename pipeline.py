@@ -267,7 +267,8 @@ def train(args, rank, world_size, devices):
             else:
                 schedule.step()
             # Equal micro-batches: the mean of their losses is the whole batch's loss.
-            loss = torch.stack(losses).mean().detach() if is_last else torch.zeros((), device=device)
+            loss = (torch.stack(losses).mean().detach() if is_last
+                    else torch.zeros((), device=device))
             # --- end pipeline parallelism ---
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

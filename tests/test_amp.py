@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common import IN_FEATURES, SimpleModel
-from conftest import (JOB, JOB_FLAGS, fails_clearly, launch_runs, load_saved, logged_losses,
-                      max_diff, needs_cuda, ok, python, succeeded)
+from conftest import (JOB, JOB_FLAGS, assert_gpu_run_equals_oracle, fails_clearly, launch_runs,
+                      load_saved, logged_losses, max_diff, needs_cuda, ok, python, succeeded)
 from reference import reference_train
 
 amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
@@ -126,6 +126,6 @@ def test_low_precision_on_cuda_trains_to_the_fp32_loss(dtype, reference):
 
 @needs_cuda
 def test_fp32_on_cuda_equals_one_device(reference, tmp_path):
-    ok(python("amp.py", *JOB_FLAGS, "--dtype=fp32", "--device=cuda", "--clip=0",
-              f"--save={tmp_path / 'w.pt'}"))
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
+    result = python("amp.py", *JOB_FLAGS, "--dtype=fp32", "--device=cuda", "--clip=0",
+                    f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)

@@ -5,9 +5,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from common import make_dataset
-from conftest import (JOB_FLAGS, fails_clearly, launch_runs, load_saved, logged_losses, max_diff,
-                      needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, succeeded,
-                      summary_numbers, torchrun)
+from conftest import (JOB_FLAGS, assert_gpu_run_equals_oracle, fails_clearly, launch_runs,
+                      load_saved, logged_losses, max_diff, needs_2_gpus, needs_cuda, ok, python,
+                      refused_in_one_line, succeeded, summary_numbers, torchrun)
 
 # Measured on a 2-core CPU, torch 2.13.0: 1 rank is bit-identical to the oracle; 2 and 3 ranks
 # and accumulation differ by at most 8.2e-8 (summing the batch in another order changes the
@@ -110,22 +110,20 @@ def test_batch_not_divisible_by_world_size_is_a_clear_error(as_torchrun, capsys)
 
 @needs_cuda
 def test_ddp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
-    ok(torchrun(1, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
-                f"--save={tmp_path / 'w.pt'}"))
-    # GPU kernels sum in another order than the CPU's: measured differences are ~1e-7 (fp32,
-    # TF32 off); 1e-5 still catches any real mistake.
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
+    result = torchrun(1, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 
 
 @needs_cuda
 def test_ddp_two_gloo_ranks_sharing_one_gpu_equals_one_device(reference, tmp_path):
-    ok(torchrun(2, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=gloo",
-                f"--save={tmp_path / 'w.pt'}"))
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
+    result = torchrun(2, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=gloo",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 
 
 @needs_2_gpus
 def test_ddp_nccl_two_gpus_equals_one_device(reference, tmp_path):
-    ok(torchrun(2, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
-                f"--save={tmp_path / 'w.pt'}"))
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < 1e-5
+    result = torchrun(2, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)

@@ -115,7 +115,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
     args.checkpoint = str(tmp_path / "ckpt.pt")
     model = common.SimpleModel()
     common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0}, args.checkpoint)
-    with pytest.raises(SystemExit, match="written with --batch-size 64, not 32.*use --batch-size 64"):
+    with pytest.raises(SystemExit, match="with --batch-size 64, not 32.*use --batch-size 64"):
         ddp.load_checkpoint(args, model, torch.device("cpu"))
 
 
@@ -149,7 +149,7 @@ DISTRIBUTED_BAD_FLAGS = [
     *[("ddp", f, m) for f, m in DISTRIBUTED_BAD_FLAGS],
     ("pipeline", ["--backend=mpi"], "--backend: invalid choice: 'mpi'"),
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
-    ("pipeline", ["--backend=nccl", "--device=cpu"], "the stages send CPU tensors, which only gloo"),
+    ("pipeline", ["--backend=nccl", "--device=cpu"], "stages send CPU tensors, which only gloo"),
     ("ddp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
     ("amp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
 ])
