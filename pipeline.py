@@ -13,8 +13,9 @@ What it teaches
     Both end with the same weights as one device with the same global batch (tests/).
 
     `torch.distributed.pipeline.sync.Pipe`, which many guides still show, is gone: it was
-    deprecated in PyTorch 2.2 and removed in 2.4. torch.distributed.pipelining (introduced in
-    2.4) replaces it, and runs across processes and machines instead of threads in one process.
+    deprecated in PyTorch 2.3 and removed in 2.4 (pytorch/pytorch#121464, #127354).
+    torch.distributed.pipelining, new in 2.4, replaces it: one process per stage, talking
+    through torch.distributed, so stages can sit on different machines.
 
     Schedules, 2 stages and 4 micro-batches, one time slot per forward (F) or backward (B):
 
