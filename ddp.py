@@ -312,7 +312,11 @@ def run(args):
 
 
 def free_port():
-    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one)."""
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
+
+    Another program could take it before rank 0 binds it again; rare, and then the run fails
+    at once with "address already in use" rather than hanging.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
