@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import common
-from conftest import (JOB, JOB_FLAGS, REPO, free_port, launch_and_kill_a_worker, launch_together,
-                      load_saved, max_diff, ok, refused_in_one_line, torchrun, torchrun_cmd)
+from conftest import (JOB, JOB_FLAGS, REPO, finish, free_port, launch_and_kill_a_worker,
+                      launch_together, load_saved, max_diff, ok, refused_in_one_line, start,
+                      torchrun, torchrun_cmd)
 from reference import reference_train
 from test_ddp import TOL
 
@@ -22,12 +23,16 @@ LONG_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()]
 
 
 def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_uninterrupted_weights(tmp_path):
+    # the uninterrupted run, alongside
+    straight = start(*torchrun_cmd(2, "ddp.py", *LONG_FLAGS, f"--save={tmp_path / 'straight.pt'}"))
     result, _ = launch_and_kill_a_worker(
         *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "ddp.py",
         *LONG_FLAGS, f"--checkpoint={tmp_path / 'ckpt.pt'}", "--checkpoint-every=10",
         f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
     assert result.returncode == 0, result.stdout
     assert "ddp: resumed from" in result.stdout  # the group really restarted from the file
+    ok(finish(straight))
+    assert max_diff(load_saved(tmp_path / "w.pt"), load_saved(tmp_path / "straight.pt")) == 0.0
     _, expected, _ = reference_train(**LONG)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
 
