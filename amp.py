@@ -20,6 +20,8 @@ Launch
     python amp.py                     # bf16 where supported (and on CPU), else fp16
     python amp.py --dtype fp16        # with GradScaler
     python amp.py --dtype fp32        # autocast off: exactly the single-device baseline
+    python amp.py --clip 1.0          # clip the gradient norm (off by default, like the
+                                      # other scripts, so the same flags give the same numbers)
     Smallest hardware: any CPU (bf16 and fp16 autocast both run there), or one GPU.
 
 What mixed precision adds
@@ -41,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
-from common import print0, save_atomic, seed_everything
+from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import fail, num_params, positive, print0, save_atomic, seed_everything
 
 
 def parse_args(argv=None):
@@ -55,9 +57,12 @@ def parse_args(argv=None):
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
-    train.add_argument("--clip", type=float, default=1.0,
-                       help="clip the gradient norm to this (0: no clipping)")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
     model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
@@ -129,8 +134,30 @@ def optimizer_step(model, optimizer, scaler, clip):
     return norm, skipped
 
 
+def evaluate(model, dataset, batch_size, device, autocast_dtype):
+    """The mean squared error over every sample of the held-out set, under autocast."""
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            # --- AMP: evaluate in the type you train in ---
+            # The number then describes the model as it runs in training, 16-bit rounding
+            # included (no GradScaler: there is no backward). mse_loss runs in fp32 anyway.
+            with torch.autocast(device.type, dtype=autocast_dtype,
+                                enabled=autocast_dtype is not None):
+                # Sums, divided once at the end: the mean of per-batch means would overweight
+                # a smaller last batch.
+                sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            # --- end AMP ---
+            sums[1] += y.numel()
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
 def train(args, device, dtype):
-    """Train; return the model and the final loss."""
+    """Train; return the model, the final loss and the final validation loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
     state = load_checkpoint(args, model, device) if args.checkpoint else None
@@ -153,7 +180,7 @@ def train(args, device, dtype):
         start_step = state["step"]
         print0(f"amp: resumed from {args.checkpoint} at step {start_step}")
 
-    dataset = make_dataset()
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Each epoch's order is the permutation drawn from seed + epoch, the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
@@ -163,7 +190,7 @@ def train(args, device, dtype):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
-    final_loss = float("nan")
+    final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0 or step == start_step:
@@ -196,10 +223,14 @@ def train(args, device, dtype):
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():
+                val_loss = evaluate(model, val_set, args.batch_size, device, autocast_dtype)
+            print0(eval_line(step + 1, args.steps, val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
     if args.checkpoint:
         save_checkpoint(args, model, optimizer, scaler, args.steps)
-    return model, final_loss
+    return model, final_loss, val_loss
 
 
 def save_checkpoint(args, model, optimizer, scaler, step):
@@ -217,8 +248,8 @@ def load_checkpoint(args, model, device):
     if not os.path.exists(args.checkpoint):
         return None
 
-    def fail(why):
-        raise SystemExit(f"amp.py: error: --checkpoint {args.checkpoint}: {why}")
+    def refuse(why):
+        fail(f"amp.py: error: --checkpoint {args.checkpoint}: {why}")
 
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
@@ -226,13 +257,13 @@ def load_checkpoint(args, model, device):
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         if "size mismatch" in str(e) or "Missing key" in str(e):
-            fail("saved with another model size; use its --hidden and --blocks")
-        fail(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+            refuse("saved with another model size; use its --hidden and --blocks")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     except Exception as e:  # truncated, not a torch file, not a dict...
-        fail(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
         if state[key] != getattr(args, key):
-            fail(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
+            refuse(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
                  f"order would not continue; use {flag} {state[key]}")
     return state
 
@@ -240,7 +271,7 @@ def load_checkpoint(args, model, device):
 def main(argv=None):
     args = parse_args(argv)
     device, dtype = setup(args)
-    model, _ = train(args, device, dtype)
+    model, _, _ = train(args, device, dtype)
     if args.save:
         # fp32 weights: autocast never changed them, so this loads anywhere like any other.
         save_atomic(model.state_dict(), args.save)

@@ -6,7 +6,9 @@ this file does nothing but define things.
 """
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import resource
 import sys
@@ -20,6 +22,7 @@ import torch.nn as nn
 IN_FEATURES = 32
 OUT_FEATURES = 8
 DATASET_SIZE = 4096
+VAL_SIZE = 1000
 DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed moves init and order
 
 
@@ -62,17 +65,24 @@ class SimpleModel(nn.Module):
         return x
 
 
-def make_dataset(size=DATASET_SIZE):
+def make_dataset(split="train"):
     """A regression task that can be learned: y = teacher(x) + small noise, the same every time.
 
     The teacher is a fixed random two-layer network, so the loss has somewhere to fall to.
+    split="train": DATASET_SIZE samples to train on. split="val": VAL_SIZE held-out samples of
+    the same teacher, drawn after (so disjoint from) the training ones; 1000 is divided by
+    neither 3, 6, 7 nor 8, so those world sizes make DistributedSampler pad (see ddp.py).
     Built from its own generator, so it neither reads nor disturbs the global RNG.
     """
     g = torch.Generator().manual_seed(DATA_SEED)
-    x = torch.randn(size, IN_FEATURES, generator=g)
+    x = torch.randn(DATASET_SIZE, IN_FEATURES, generator=g)
     w1 = torch.randn(IN_FEATURES, 64, generator=g) / IN_FEATURES**0.5
     w2 = torch.randn(64, OUT_FEATURES, generator=g) / 64**0.5
-    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(size, OUT_FEATURES, generator=g)
+    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(DATASET_SIZE, OUT_FEATURES, generator=g)
+    if split == "train":
+        return torch.utils.data.TensorDataset(x, y)
+    x = torch.randn(VAL_SIZE, IN_FEATURES, generator=g)
+    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(VAL_SIZE, OUT_FEATURES, generator=g)
     return torch.utils.data.TensorDataset(x, y)
 
 
@@ -94,6 +104,21 @@ def positive(kind):
         return value
 
     return parse
+
+
+def fail(message):
+    """Stop this process with `message` as its one error line (on stderr) and exit status 1.
+
+    Under torchrun the line also goes into the error file torchrun gives each worker
+    (TORCHELASTIC_ERROR_FILE), so the "Root Cause" at the bottom of torchrun's failure report
+    repeats it, instead of "To enable traceback see: ...".
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    raise SystemExit(message)
 
 
 def print0(*args):
@@ -146,6 +171,17 @@ class Meter:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent inside (evaluation, checkpoints) out of the training rates."""
+        begin = self._now()
+        yield
+        gap = self._now() - begin
+        self.start += gap
+        self.last += gap
+        if self.warm_start is not None:
+            self.warm_start += gap
+
     def step(self, samples):
         """Call after each optimizer step; returns samples/s of that step."""
         now = self._now()
@@ -159,8 +195,9 @@ class Meter:
             self.warm_samples += samples
         return rate
 
-    def summary(self, loss, flops_per_sample):
-        """The final line: steps, final loss, samples/s, step time, peak memory, TFLOP/s."""
+    def summary(self, loss, flops_per_sample, val_loss, state_bytes=None):
+        """The final line: steps, final loss, samples/s, step time, peak memory, TFLOP/s,
+        the bytes of training state each rank holds (if given), and the validation loss."""
         if self.steps > self.warmup:
             timed, samples, elapsed = (self.steps - self.warmup, self.warm_samples,
                                        self.last - self.warm_start)
@@ -177,12 +214,19 @@ class Meter:
         if self.device.type == "cuda":
             # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
             line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"
-        return line
+        if state_bytes is not None:
+            line += f" | state {state_bytes / 2**20:.2f} MiB/rank"
+        return line + f" | val loss {val_loss:.6f}"
 
 
 def log_line(step, steps, loss, samples_per_s):
     """The per-step line every script prints, so their logs can be compared side by side."""
     return f"step {step:5d}/{steps} | loss {loss:.6f} | {samples_per_s:10.1f} samples/s"
+
+
+def eval_line(step, steps, val_loss):
+    """The line printed after each evaluation on the held-out set."""
+    return f"eval {step:5d}/{steps} | val loss {val_loss:.6f}"
 
 
 # ---------------------------------------------------------------------------------------------

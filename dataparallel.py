@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch.nn import DataParallel
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
-from common import print0, save_atomic, seed_everything
+from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import num_params, positive, print0, save_atomic, seed_everything
 
 
 def parse_args(argv=None):
@@ -52,6 +52,8 @@ def parse_args(argv=None):
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
     model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
@@ -96,8 +98,24 @@ def setup(args):
     return device
 
 
+def evaluate(model, dataset, batch_size, device):
+    """The mean squared error over every sample of the held-out set."""
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
 def train(args, device):
-    """Train; return the unwrapped model and the final loss."""
+    """Train; return the unwrapped model, the final loss and the final validation loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
     # --- DataParallel: wrap the model ---
@@ -111,7 +129,7 @@ def train(args, device):
     # --- end DataParallel ---
     optimizer = torch.optim.Adam(dp_model.parameters(), lr=args.lr)
 
-    dataset = make_dataset()
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # One process sees the whole batch. Each epoch's order is the permutation drawn from
     # seed + epoch, the same one DistributedSampler draws in ddp.py, so both scripts train
     # on the same batches and end with the same weights.
@@ -144,14 +162,18 @@ def train(args, device):
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
-    return model, final_loss
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():
+                val_loss = evaluate(dp_model, val_set, args.batch_size, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    return model, final_loss, val_loss
 
 
 def main(argv=None):
     args = parse_args(argv)
     device = setup(args)
-    model, _ = train(args, device)
+    model, _, _ = train(args, device)
     if args.save:
         # The unwrapped model: DataParallel's own state_dict names every weight
         # "module.<name>", and SimpleModel.load_state_dict(strict=True) would refuse those keys.

@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
-from common import print0, save_atomic, seed_everything
+from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import fail, num_params, positive, print0, save_atomic, seed_everything
 
 
 def parse_args(argv=None):
@@ -70,6 +70,8 @@ def parse_args(argv=None):
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
     model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
@@ -162,8 +164,44 @@ def setup(args):
     return rank, world_size, device
 
 
+def evaluate(model, dataset, rank, world_size, batch_size, device):
+    """The mean squared error over every sample of the held-out set, exactly, on every rank.
+
+    Every rank must call it: it ends in a collective. (Evaluating on rank 0 alone hangs as soon
+    as anything collective runs inside, pytorch/pytorch#54059.)
+    """
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    # --- DDP: evaluate a shard on each rank, then add the sums up ---
+    # Without drop_last, DistributedSampler gives every rank the same number of samples by
+    # padding: 1000 samples on 3 ranks become 1002 indices, the first two samples appended
+    # again at the end of the list before it is dealt out (r, r+N, r+2N, ...). So the
+    # duplicates are the last entries of some ranks' shards, and a rank's real samples are its
+    # first len(range(rank, 1000, N)): 334, 333 and 333 here.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    real = len(range(rank, len(dataset), world_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            real -= len(x)
+            # The unwrapped model: the replicas are identical, and no DDP hook runs, so nothing
+            # collective hides in this forward (DDP's forward can broadcast buffers, which
+            # would hang if the ranks ran different numbers of batches).
+            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
+    # shard like a 334-sample one and count the duplicates, and change with the number of
+    # ranks (pytorch/pytorch#25162). gloo has no AVG anyway.
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # --- end DDP ---
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
 def train(args, rank, world_size, device):
-    """Train; return the unwrapped model and the final loss (averaged over all ranks)."""
+    """Train; return the unwrapped model, the final loss (averaged over all ranks) and the
+    final validation loss."""
     # Same seed on every rank, so every replica starts from the same weights. (DDP would
     # broadcast rank 0's weights anyway; seeding keeps anything else you build in step too.)
     seed_everything(args.seed)
@@ -186,7 +224,7 @@ def train(args, rank, world_size, device):
         start_step = state["step"]
         print0(f"ddp: resumed from {args.checkpoint} at step {start_step}")
 
-    dataset = make_dataset()
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- DDP: shard the data ---
     # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
     # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
@@ -202,7 +240,7 @@ def train(args, rank, world_size, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
-    final_loss = float("nan")
+    final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0 or step == start_step:
@@ -236,11 +274,16 @@ def train(args, rank, world_size, device):
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
             final_loss = loss_sum.item() / world_size
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():  # every rank, at the same steps: it is a collective
+                val_loss = evaluate(model, val_set, rank, world_size,
+                                    args.batch_size // world_size, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             if rank == 0:  # the replicas are identical: one writer is enough
                 save_checkpoint(args, model, optimizer, step + 1)
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
-    return model, final_loss
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    return model, final_loss, val_loss
 
 
 def save_checkpoint(args, model, optimizer, step):
@@ -263,8 +306,8 @@ def load_checkpoint(args, model, device):
     if not os.path.exists(args.checkpoint):
         return None
 
-    def fail(why):  # the same on every rank, before any collective: nothing waits, nothing hangs
-        raise SystemExit(f"ddp.py: error: --checkpoint {args.checkpoint}: {why}")
+    def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
+        fail(f"ddp.py: error: --checkpoint {args.checkpoint}: {why}")
 
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
@@ -272,13 +315,13 @@ def load_checkpoint(args, model, device):
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         if "size mismatch" in str(e) or "Missing key" in str(e):
-            fail("saved with another model size; use its --hidden and --blocks")
-        fail(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+            refuse("saved with another model size; use its --hidden and --blocks")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     except Exception as e:  # truncated, not a torch file, not a dict...
-        fail(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
         if state[key] != getattr(args, key):
-            fail(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
+            refuse(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
                  f"order would not continue; use {flag} {state[key]}")
     return state
 
@@ -286,7 +329,7 @@ def load_checkpoint(args, model, device):
 def run(args):
     """What each worker process does: join, train, save, leave."""
     rank, world_size, device = setup(args)
-    model, _ = train(args, rank, world_size, device)
+    model, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
         # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
         # SimpleModel.load_state_dict(strict=True) would refuse those keys.
@@ -324,9 +367,11 @@ def free_port():
 
 def spawned(local_rank, args, port):
     """Entry point of a worker started by `python ddp.py`: set what torchrun would set."""
-    # torchrun also sets OMP_NUM_THREADS=1; without a limit, N workers each start one thread
-    # per core and fight over the cores (2-3x slower on a laptop CPU).
-    torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
+    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
+    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
                       LOCAL_WORLD_SIZE=str(args.nproc))
@@ -340,7 +385,15 @@ def main(argv=None):
     else:
         # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
         # for all, and if one fails it terminates the others and raises here.
-        mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
+        try:
+            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
+            # printed it already and exited 1: end with its exit status, not with spawn's
+            # dozen-line traceback under the message. Anything else (a crash, a signal):
+            # spawn's message, which carries the worker's traceback, in place of ours.
+            code = getattr(e, "exit_code", None)
+            raise SystemExit(code if code is not None and code > 0 else f"ddp.py: {e}")
 
 
 if __name__ == "__main__":

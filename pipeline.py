@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, log_line, make_dataset, num_params, positive
-from common import print0, save_atomic, seed_everything
+from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import num_params, positive, print0, save_atomic, seed_everything
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -83,6 +83,8 @@ def parse_args(argv=None):
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
     model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
@@ -205,8 +207,52 @@ def cut(model, stage, stages):
     return part
 
 
+def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
+    """The mean squared error over every sample of the held-out set, the same on every rank.
+
+    Forward only, stage by stage; with several ranks, every rank must call it (it sends,
+    receives and ends in a collective).
+    """
+    for stage_module in stages:
+        stage_module.eval()  # no dropout or BatchNorm here, but the model you copy this to may
+    loader = DataLoader(dataset, batch_size=batch_size)  # every rank: the same batches, in order
+    sums = torch.zeros(2, dtype=torch.float64, device=devices[-1])  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            if world_size == 1:
+                for stage_module, device in zip(stages, devices):
+                    x = stage_module(x.to(device))
+            else:
+                # --- Pipeline parallelism: forward only, activations handed on by hand ---
+                # The schedules drive training (and, in recent torch, a forward-only eval());
+                # plain send/recv works on every torch this file supports and shows what the
+                # schedule does underneath. No micro-batches: without backward there is
+                # nothing to overlap with, so the stages simply work one after the other.
+                device = devices[0]
+                if rank == 0:
+                    x = x.to(device)
+                else:  # the activations of the previous stage: (batch, hidden)
+                    x = torch.empty(len(x), hidden, device=device)
+                    dist.recv(x, src=rank - 1)
+                x = stages[0](x)
+                if rank < world_size - 1:
+                    dist.send(x, dst=rank + 1)
+                    continue  # only the last stage has outputs to score
+                # --- end pipeline parallelism ---
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            sums[0] += F.mse_loss(x, y.to(x.device), reduction="sum")
+            sums[1] += y.numel()
+    if world_size > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # the last stage's sums, to every rank
+    for stage_module in stages:
+        stage_module.train()
+    return (sums[0] / sums[1]).item()
+
+
 def train(args, rank, world_size, devices):
-    """Train; return the full model's final weights (on rank 0) and the final loss."""
+    """Train; return the full model's final weights (on rank 0), the final loss and the final
+    validation loss."""
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
     if world_size == 1:
@@ -232,7 +278,7 @@ def train(args, rank, world_size, devices):
     # Each stage's optimizer sees only its own parameters; together they are one Adam.
     optimizer = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=args.lr)
 
-    dataset = make_dataset()
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Every rank walks through the same global batches (the first stage needs the inputs,
     # the last the targets): the permutation drawn from seed + epoch, as in every script.
     generator = torch.Generator()
@@ -282,7 +328,12 @@ def train(args, rank, world_size, devices):
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             final_loss = loss.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model)))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():  # every rank, at the same steps: it sends and receives
+                val_loss = evaluate(stages, val_set, rank, world_size, devices,
+                                    args.batch_size, args.hidden)
+            print0(eval_line(step + 1, args.steps, val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
 
     # Reassemble the full model: each stage holds a slice of the full state_dict.
     weights = {}
@@ -292,13 +343,13 @@ def train(args, rank, world_size, devices):
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(weights, gathered, dst=0)  # every rank sends its slice to rank 0
         weights = {k: v for part in gathered for k, v in part.items()} if rank == 0 else None
-    return weights, final_loss
+    return weights, final_loss, val_loss
 
 
 def main(argv=None):
     args = parse_args(argv)
     rank, world_size, devices = setup(args)
-    weights, _ = train(args, rank, world_size, devices)
+    weights, _, _ = train(args, rank, world_size, devices)
     if args.save and rank == 0:
         # The same keys as SimpleModel's own state_dict: it loads with strict=True.
         save_atomic(weights, args.save)
