@@ -264,7 +264,7 @@ def load_checkpoint(args, model, device):
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
         if state[key] != getattr(args, key):
             refuse(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
-                 f"order would not continue; use {flag} {state[key]}")
+                   f"order would not continue; use {flag} {state[key]}")
     return state
 
 

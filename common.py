@@ -215,7 +215,7 @@ class Meter:
             # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
             line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"
         if state_bytes is not None:
-            line += f" | state {state_bytes / 2**20:.2f} MiB/rank"
+            line += f" | state {state_bytes / 2**20:.3f} MiB/rank"
         return line + f" | val loss {val_loss:.6f}"
 
 

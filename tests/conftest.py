@@ -28,6 +28,12 @@ JOB_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()]
 # none was available. 1e-5 leaves room and still catches a real mistake (1e-3 or more).
 GPU_TOL = 1e-5
 
+# The validation loss is printed with 6 decimals (rounding: up to 5e-7); computed in float32
+# batch by batch and summed in float64, the scripts' exact means differ from the float64
+# oracle's by ~1e-8 (measured). A naive average of per-rank means on 3 ranks is 4e-5 off
+# (tests/test_ddp.py), 40x this bound.
+VAL_TOL = 1e-6
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                   reason=f"needs 2 GPUs, found {torch.cuda.device_count()}")
@@ -150,6 +156,34 @@ def reference():
     """The oracle's final weights for JOB (computed once)."""
     from reference import reference_train
     return reference_train(**JOB)
+
+
+@pytest.fixture(scope="session")
+def reference_val(reference):
+    """The oracle's exact validation loss at the end of JOB."""
+    from reference import reference_val_loss
+    return reference_val_loss(reference[1], JOB["hidden"], JOB["blocks"])
+
+
+def initial_val_loss(seed=0, hidden=64, blocks=4):
+    """The validation loss of the untrained model (by default, the scripts' default one)."""
+    from reference import reference_val_loss
+    torch.manual_seed(seed)
+    return reference_val_loss(SimpleModel(hidden=hidden, blocks=blocks).state_dict(), hidden,
+                              blocks)
+
+
+def summary_val_loss(stdout):
+    """The validation loss at the end of the summary line."""
+    line = next(l for l in stdout.splitlines() if l.startswith("done | "))
+    m = re.search(r"\| val loss ([0-9.]+)$", line)
+    assert m, f"summary line does not end with the validation loss: {line}"
+    return float(m.group(1))
+
+
+def logged_val_losses(stdout):
+    """The validation losses of the eval lines, in order."""
+    return [float(x) for x in re.findall(r"^eval +\d+/\d+ \| val loss ([0-9.]+)", stdout, re.M)]
 
 
 def worker_pids(launcher_pid, script):

@@ -35,3 +35,13 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None):
         optimizer.step()
         losses.append(loss.item())
     return initial, model.state_dict(), losses
+
+
+def reference_val_loss(weights, hidden, blocks):
+    """The exact mean squared error of `weights` over the whole held-out set, in float64:
+    one forward over all of it, no batches, no ranks."""
+    model = SimpleModel(hidden=hidden, blocks=blocks).double()
+    model.load_state_dict(weights)
+    x, y = make_dataset("val").tensors
+    with torch.no_grad():
+        return F.mse_loss(model(x.double()), y.double()).item()

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from common import IN_FEATURES, SimpleModel
-from conftest import (JOB, JOB_FLAGS, assert_gpu_run_equals_oracle, fails_clearly, launch_runs,
-                      load_saved, logged_losses, max_diff, needs_cuda, ok, python, succeeded)
+from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, fails_clearly,
+                      launch_runs, load_saved, logged_losses, max_diff, needs_cuda, ok, python,
+                      succeeded, summary_val_loss)
 from reference import reference_train
 
 amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
@@ -23,6 +24,7 @@ CLIP = 0.05  # small enough that clipping is active at every step of JOB
 
 
 RUNS = {  # name: (None: `python amp.py`; flags). Each trains JOB.
+    "fp32": (None, ["--dtype=fp32"]),
     "fp32, clipped": (None, ["--dtype=fp32", f"--clip={CLIP}"]),
     "default dtype on CPU": (None, ["--device=cpu"]),
     "fp16": (None, ["--dtype=fp16", "--device=cpu"]),
@@ -32,6 +34,13 @@ RUNS = {  # name: (None: `python amp.py`; flags). Each trains JOB.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return launch_runs("amp.py", RUNS, tmp_path_factory.mktemp("amp"))
+
+
+def test_fp32_with_default_flags_equals_one_device_like_every_other_script(runs, reference,
+                                                                          reference_val):
+    out, weights = succeeded(runs["fp32"])
+    assert max_diff(weights, reference[1]) < 1e-6
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
 
 def test_fp32_is_exactly_the_baseline_including_clipping(runs):
@@ -46,10 +55,13 @@ def test_default_dtype_on_cpu_is_bf16(runs):
 
 
 @pytest.mark.parametrize("name", ["default dtype on CPU", "fp16"])
-def test_low_precision_on_cpu_trains_to_the_fp32_loss(name, runs, reference):
-    losses = logged_losses(succeeded(runs[name])[0])
+def test_low_precision_on_cpu_trains_to_the_fp32_loss(name, runs, reference, reference_val):
+    out = succeeded(runs[name])[0]
+    losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)
+    # evaluated under autocast too: near, not equal to, the fp32 validation loss
+    assert summary_val_loss(out) == pytest.approx(reference_val, rel=LOW_PRECISION_REL_TOL)
 
 
 def _scaled_backward(scaler, model=None):

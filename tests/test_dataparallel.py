@@ -1,14 +1,17 @@
 """dataparallel.py trains to the same weights as one device."""
 
-from conftest import (JOB_FLAGS, assert_gpu_run_equals_oracle, load_saved, logged_losses, max_diff,
-                      needs_cuda, ok, python, summary_numbers)
+import pytest
+
+from conftest import (JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, load_saved, logged_losses,
+                      max_diff, needs_cuda, ok, python, summary_numbers, summary_val_loss)
 
 # Measured on CPU, torch 2.13.0: bit-identical without accumulation (DataParallel without GPUs
 # calls the model), 6.7e-8 with --accum-steps 2 (the batch summed in two halves).
 TOL = 1e-6
 
 
-def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, tmp_path):
+def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, reference_val,
+                                                                  tmp_path):
     out = ok(python("dataparallel.py", *JOB_FLAGS, "--device=cpu", "--accum-steps=2",
                     f"--save={tmp_path / 'w.pt'}"))
     assert "no GPU" in out  # it says once that DataParallel has nothing to spread over
@@ -16,6 +19,7 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, tmp_
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert all(x > 0 for x in summary_numbers(out))
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
 
 @needs_cuda

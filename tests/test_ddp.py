@@ -4,10 +4,14 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from common import make_dataset
-from conftest import (JOB_FLAGS, assert_gpu_run_equals_oracle, fails_clearly, launch_runs,
-                      load_saved, logged_losses, max_diff, needs_2_gpus, needs_cuda, ok, python,
-                      refused_in_one_line, succeeded, summary_numbers, torchrun)
+import torch.nn.functional as F
+
+from common import SimpleModel, make_dataset
+from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, fails_clearly,
+                      launch_runs, load_saved, logged_losses, logged_val_losses, max_diff,
+                      needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, succeeded,
+                      summary_numbers, summary_val_loss, torchrun, initial_val_loss)
+from reference import reference_val_loss
 
 # Measured on a 2-core CPU, torch 2.13.0: 1 rank is bit-identical to the oracle; 2 and 3 ranks
 # and accumulation differ by at most 8.2e-8 (summing the batch in another order changes the
@@ -45,6 +49,32 @@ def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference
     losses = logged_losses(succeeded(runs["torchrun 2 ranks"])[0])
     assert losses[0] == pytest.approx(reference[2][0], abs=1e-5)
     assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["torchrun 1 rank", "torchrun 2 ranks", "torchrun 3 ranks",
+                                  "spawn 2 ranks"])
+def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_n_ranks(
+        name, runs, reference_val):
+    out = succeeded(runs[name])[0]
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert logged_val_losses(out)[-1] == summary_val_loss(out)
+
+
+def test_three_ranks_pad_the_held_out_set_so_averaging_rank_means_would_be_wrong(reference):
+    """What the 3-rank test above guards against: DistributedSampler deals 1002 indices for
+    1000 samples (two duplicates), and the mean of the per-rank means misses the exact value
+    by far more than VAL_TOL."""
+    val_set, world_size = make_dataset("val"), 3
+    shards = [list(DistributedSampler(val_set, num_replicas=world_size, rank=r, shuffle=False))
+              for r in range(world_size)]
+    assert len(val_set) == 1000 and sum(map(len, shards)) == 1002
+    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).double()
+    model.load_state_dict(reference[1])
+    x, y = (t.double() for t in val_set.tensors)
+    with torch.no_grad():
+        naive = sum(F.mse_loss(model(x[s]), y[s]).item() for s in shards) / world_size
+    exact = reference_val_loss(reference[1], JOB["hidden"], JOB["blocks"])
+    assert abs(naive - exact) > 10 * VAL_TOL
 
 
 @pytest.mark.parametrize("name", ["torchrun 2 ranks, accum 2", "torchrun 2 ranks, accum 3"])
@@ -95,6 +125,8 @@ def test_default_run_trains_and_exits_cleanly_every_time(tmp_path):
         assert "terminate called" not in result.stderr
         losses = logged_losses(out)
         assert losses[-1] < 0.1 * losses[0], losses
+        val_losses = logged_val_losses(out)  # every --eval-every 50 steps
+        assert len(val_losses) == 4 and val_losses[-1] < 0.1 * initial_val_loss(), val_losses
         assert all(x > 0 for x in summary_numbers(out))  # samples/s, ms/step, peak memory
         saved.append(load_saved(tmp_path / f"{i}.pt", hidden=64, blocks=4))
     assert all(max_diff(s, saved[0]) == 0.0 for s in saved)

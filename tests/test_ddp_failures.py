@@ -2,6 +2,7 @@
 number of ranks; a dead peer ends the job; bad input is refused in one line."""
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -131,6 +132,7 @@ BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
     (["--lr=0"], "--lr: must be greater than 0"),
+    (["--eval-every=0"], "--eval-every: must be greater than 0"),
     (["--device=tpu"], "--device: invalid choice: 'tpu'"),
     (["--save=/no/such/folder/w.pt"], "--save /no/such/folder/w.pt: its folder does not exist"),
 ]
@@ -164,3 +166,40 @@ def test_bad_distributed_flags_are_refused_in_one_line(script, flags, message, c
         pytest.skip("CUDA is available here, so --device cuda is valid")
     as_torchrun(2)
     refused_in_one_line(script, flags, message, capsys)
+
+
+def test_bad_checkpoint_ends_in_its_one_line_on_every_launch_path(tmp_path):
+    """`python ddp.py` ends with the worker's line (no mp.spawn traceback under it), exit 1;
+    under torchrun the same line is the "Root Cause" of torchrun's failure report."""
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"garbage")
+    flags = ["--steps=2", f"--checkpoint={ckpt}"]
+    spawned, under_torchrun = launch_together([
+        [sys.executable, "ddp.py", "--nproc=1", "--device=cpu", *flags],
+        torchrun_cmd(2, "ddp.py", *flags)])
+    line = f"ddp.py: error: --checkpoint {ckpt}: cannot be read"
+    assert spawned.returncode == 1, spawned.stderr
+    assert "Traceback" not in spawned.stderr
+    assert spawned.stderr.strip().splitlines()[-1].startswith(line), spawned.stderr
+    assert under_torchrun.returncode != 0
+    assert line in under_torchrun.stderr.split("Root Cause")[-1], under_torchrun.stderr
+    assert ckpt.read_bytes() == b"garbage"
+
+
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monkeypatch):
+    import ddp
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)  # spawned() sets them; restored afterwards
+    if omp:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    threads = []
+    monkeypatch.setattr(ddp, "run", lambda args: threads.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # as OMP_NUM_THREADS=3 would have set it at start-up
+    try:
+        ddp.spawned(0, ddp.parse_args(["--nproc=2", "--device=cpu"]), free_port())
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [3 if omp else max(1, os.cpu_count() // 2)]

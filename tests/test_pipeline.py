@@ -2,9 +2,9 @@
 
 import pytest
 
-from conftest import (JOB_FLAGS, assert_gpu_run_equals_oracle, launch_runs, logged_losses,
-                      max_diff, needs_2_gpus, needs_cuda, python, refused_in_one_line, succeeded,
-                      torchrun)
+from conftest import (JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
+                      logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
+                      refused_in_one_line, succeeded, summary_val_loss, torchrun)
 
 # Measured on CPU, torch 2.13.0, 4 micro-batches: model parallelism is bit-identical; the
 # pipelines differ by at most ~1e-7 (the gradient is summed over micro-batches, then divided,
@@ -41,6 +41,13 @@ def test_pipeline_equals_one_device(name, runs, reference):
     assert max_diff(weights, reference[1]) < TOL
     # the loss the last stage computed, brought to rank 0, is the whole batch's loss
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_validation_through_the_stages_is_the_exact_mean_over_the_held_out_set(
+        name, runs, reference_val):
+    out = succeeded(runs[name])[0]
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
 
 def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error(as_torchrun, capsys):

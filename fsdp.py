@@ -1,0 +1,498 @@
+"""Fully Sharded Data Parallel (FSDP2): each process keeps 1/N of the model, gathers the rest.
+
+What it teaches
+    DDP keeps a full copy of the weights, the gradients and Adam's two moments on every rank.
+    FSDP shards all of it: `fully_shard` replaces every parameter by a DTensor of which each of
+    the N ranks holds one slice of rows, so each rank stores 1/N of the weights, the gradients
+    and the optimizer state. Just before a block runs (forward, and again in backward), its
+    ranks all-gather the block's full weights, and free them once it is done; after a block's
+    backward the gradients are reduce-scattered: summed over the ranks (averaged, like DDP) and
+    cut so each rank keeps the gradient of its own slice, and Adam steps on that slice only.
+    Data parallel all the same: rank r trains on shard r of each global batch, so with batch B
+    on N ranks the result equals one device with batch B; the tests prove it to ~1e-6.
+
+When to use it
+    The model, its gradients and its optimizer state do not fit on one device (Adam in fp32
+    needs 16 bytes per parameter before any activation), and the devices have fast links
+    (NVLink, InfiniBand): every step moves the weights through the network, not only the
+    gradients.
+When not
+    The model fits: ddp.py is simpler and faster (no all-gather in every forward and backward).
+    Slow links between the devices: cut the model into stages instead (pipeline.py).
+
+Launch
+    python fsdp.py                          # starts its own workers: one per GPU, or 2 on a CPU
+    python fsdp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
+    torchrun --nproc_per_node=2 fsdp.py     # what clusters use; same flags after the script
+    torchrun --nproc_per_node=8 fsdp.py --mixed-precision bf16   # compute in bf16
+    # sharded checkpoints (a folder: each rank writes its shard), resumable on any number of
+    # ranks; turn one into a single plain file with torch's own converter:
+    torchrun --nproc_per_node=2 --max-restarts=3 fsdp.py --checkpoint ckpt
+    python -m torch.distributed.checkpoint.format_utils dcp_to_torch_save \
+        ckpt/$(cat ckpt/latest) full.pt    # torch.load(...)["model"] is SimpleModel's state_dict
+    # several machines: as in ddp.py (torchrun --nnodes ... --rdzv-backend=c10d ...)
+    Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank.
+
+What changes from DDP
+    diff ddp.py fsdp.py
+
+Docs
+    https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+    https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html
+    https://pytorch.org/docs/stable/distributed.checkpoint.html
+Tested with torch 2.7.0, 2.13.0 and 2.15.0 (CPU/gloo).
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import shutil
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import fail, num_params, positive, print0, save_atomic, seed_everything
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                          help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
+    hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
+                          help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
+    hardware.add_argument("--nproc", type=positive(int), default=None,
+                          help="workers to start without torchrun (default: GPUs, or 2 on CPU)")
+    hardware.add_argument("--timeout", type=positive(float), default=60.0,
+                          help="seconds a collective may wait for a peer before the job fails")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="a folder: resume from it if it holds a checkpoint; write sharded "
+                             "model, optimizer and step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        args.nproc = args.nproc or gpus or 2
+        world_size = local_world = args.nproc
+    if use_cuda and local_world > gpus:
+        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: FSDP's all-gathers and
+        # reduce-scatters of GPU tensors need NCCL, and NCCL one GPU per rank.
+        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): FSDP on GPUs "
+                     "needs one GPU per rank; use fewer ranks or --device cpu")
+    carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
+    if args.backend not in ("auto", carrier):
+        parser.error(f"--backend {args.backend}: FSDP here shards {'GPU' if use_cuda else 'CPU'} "
+                     f"tensors, which only {carrier} carries; use --backend {carrier} (or auto)")
+    if args.batch_size % (world_size * args.accum_steps):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
+                     f"{world_size} x --accum-steps {args.accum_steps}; "
+                     f"use a multiple of {world_size * args.accum_steps}")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
+    return args
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # which shard of the data this process trains on
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist.
+        device = torch.device("cuda", local_rank)
+        # Before init_process_group: NCCL binds to the *current* device, and without this
+        # every rank would create its context and buffers on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
+        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"  # parse_args checked: one GPU per rank
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun the launcher hosts the key-value store the ranks meet in, and it
+        # keeps that store across restarts. After a restart (--max-restarts) the new workers
+        # would find the addresses the dead attempt left under the same keys and fail with
+        # "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt gives
+        # every attempt keys of its own. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
+        # own environment also avoids it; set inside this script it comes too late.)
+        store = dist.PrefixStore(
+            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=False, timeout=timeout))
+    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
+    # job that waits forever (the default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    print0(f"fsdp: {world_size} ranks | backend {backend} | device {device.type} | "
+           f"torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def evaluate(model, dataset, rank, world_size, batch_size, device):
+    """The mean squared error over every sample of the held-out set, exactly, on every rank.
+
+    Every rank must call it: it ends in a collective. (Evaluating on rank 0 alone hangs as soon
+    as anything collective runs inside, pytorch/pytorch#54059.)
+    """
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    # --- FSDP: evaluate a shard on each rank, then add the sums up ---
+    # Without drop_last, DistributedSampler gives every rank the same number of samples by
+    # padding: 1000 samples on 3 ranks become 1002 indices, the first two samples appended
+    # again at the end of the list before it is dealt out (r, r+N, r+2N, ...). So the
+    # duplicates are the last entries of some ranks' shards, and a rank's real samples are its
+    # first len(range(rank, 1000, N)): 334, 333 and 333 here.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    real = len(range(rank, len(dataset), world_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            real -= len(x)
+            # Every forward of a sharded model is a collective (each block all-gathers its
+            # weights), so every rank must run the same number of forwards: the padding keeps
+            # the batch counts equal, and a rank whose real samples have run out forwards an
+            # empty batch (x[:0]) rather than skipping the call.
+            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
+    # shard like a 334-sample one and count the duplicates, and change with the number of
+    # ranks (pytorch/pytorch#25162). gloo has no AVG anyway.
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # The root module keeps its gathered weights after forward, expecting backward to need
+    # them soon; after evaluation no backward comes, so hand the memory back.
+    model.reshard()
+    # --- end FSDP ---
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+def train(args, rank, world_size, device):
+    """Train; return the sharded model, its optimizer, the final loss (averaged over all
+    ranks) and the final validation loss."""
+    # --- FSDP: build the model without memory, shard it, then fill the shards ---
+    # On the "meta" device a module has shapes but no storage: a model far bigger than one
+    # device costs nothing to build here.
+    with torch.device("meta"):
+        model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+    # bf16: each block's weights are gathered (and computed with) in bf16; the gradients are
+    # reduce-scattered in fp32, since summing N ranks' gradients in bf16 (8 bits of mantissa)
+    # would round away the small ones, and the sharded weights Adam updates stay fp32.
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
+        reduce_dtype=torch.float32)
+    # Each Block becomes one unit of communication: its weights are gathered just before it
+    # runs and freed right after, so only one block is ever whole at a time. Blocks first,
+    # then the root (which takes the rest: the input and output layers). The other order
+    # fails: "TypeError: Invariant encountered: value was None ...". Leaving the root out
+    # fails silently: the input and output layers stay plain tensors whose gradients nobody
+    # averages, and the ranks drift apart (0.012 after 12 steps, measured).
+    for block in model.blocks.values():
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    # Storage for this rank's shards only (uninitialized), on its device.
+    model.to_empty(device=device)
+    # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly
+    # the weights one device starts from; the call cuts it up and sends every rank its
+    # shards. (A model too big for rank 0's CPU memory would be initialized shard by shard
+    # instead, or loaded from a checkpoint.) Every rank must call it: it is a collective.
+    full = {}
+    if rank == 0:
+        seed_everything(args.seed)
+        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                              broadcast_from_rank0=True))
+    # After fully_shard, never before: fully_shard replaces every parameter with a sharded
+    # DTensor, so an optimizer built earlier would hold the old tensors, which no longer get
+    # gradients. It would train nothing, silently (measured: the weights never move).
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # --- end FSDP ---
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
+
+    dataset, val_set = make_dataset("train"), make_dataset("val")
+    # --- FSDP: shard the data, as DDP does ---
+    # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
+    # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
+    # B/N samples per rank, optimizer step k therefore sees positions k*B .. k*B+B-1 of the
+    # permutation spread over the N ranks: exactly the batch one device with batch B sees at
+    # step k. Since FSDP averages the N per-rank mean gradients, the update is the same too.
+    # drop_last drops the tail the same way for any N that divides B.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    micro_batch = args.batch_size // (world_size * args.accum_steps)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # --- end FSDP ---
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            # Without set_epoch every epoch replays epoch 0's order (the seed never moves).
+            sampler.set_epoch(epoch)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # --- FSDP: accumulate gradients without communicating ---
+            # FSDP has no no_sync(): this switch skips the reduce-scatter after backward and
+            # keeps the full (unsharded) gradients until the last micro-batch, which then
+            # reduce-scatters the accumulated sum in one go. It costs a full gradient's memory
+            # meanwhile; leave it on for every micro-batch to save that memory instead.
+            last = micro == args.accum_steps - 1
+            model.set_requires_gradient_sync(last)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            loss = F.mse_loss(model(x), y) / args.accum_steps
+            loss.backward()
+            # --- end FSDP ---
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # A collective, so every rank must reach it at the same steps: the condition
+            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
+            final_loss = loss_sum.item() / world_size
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():  # every rank, at the same steps: it is a collective
+                val_loss = evaluate(model, val_set, rank, world_size,
+                                    args.batch_size // world_size, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            with meter.paused():  # every rank writes its own shards: a collective
+                save_checkpoint(args, model, optimizer, rank, step + 1)
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+                         state_bytes=sharded_bytes(model, optimizer)))
+    return model, final_loss, val_loss
+
+
+def sharded_bytes(model, optimizer):
+    """Bytes this rank holds for weights, gradients and Adam's two moments: 1/N of the model's.
+
+    Each is a DTensor; to_local() is this rank's slice. A gradient has its weight's size (it
+    exists from backward to zero_grad). Adam's step counters are scalars, left out.
+    """
+    weights = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    moments = sum(v.to_local().numel() * v.element_size() for state in optimizer.state.values()
+                  for v in state.values() if isinstance(v, DTensor))
+    return 2 * weights + moments
+
+
+def save_checkpoint(args, model, optimizer, rank, step):
+    """Everything needed to continue exactly where this run is, on any number of ranks.
+
+    torch.distributed.checkpoint (DCP) writes a folder in which every rank stores its own
+    shards, plus a file that says where each piece of each tensor lives; on load, every rank
+    reads the pieces it needs for its new slices, so a run saved on 2 ranks resumes on 1 or 3
+    (at the same --batch-size: the data position depends on seed, step and global batch only).
+
+    --checkpoint is a folder of such checkpoints, one subfolder per step, and a file `latest`
+    naming the complete one. A new step is written beside the old one and `latest` is switched
+    to it with one atomic os.replace only once it is complete: a crash at any moment leaves
+    `latest` naming a whole checkpoint. Then the old one is removed.
+    """
+    name = f"step_{step:08d}"
+    # Sharded state dicts: each rank's own slices, as DTensors, under the plain parameter
+    # names (no wrapper prefix), with the optimizer state keyed by those names too.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
+    dcp.save({"model": model_state, "optimizer": optimizer_state},
+             checkpoint_id=os.path.join(args.checkpoint, name))
+    if rank == 0:  # the rest is small and the same on every rank: one writer
+        with open(os.path.join(args.checkpoint, name, "train_state.json"), "w") as f:
+            json.dump({"step": step, "batch_size": args.batch_size, "seed": args.seed,
+                       "hidden": args.hidden, "blocks": args.blocks}, f)
+        tmp = os.path.join(args.checkpoint, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(args.checkpoint, "latest"))
+        for old in os.listdir(args.checkpoint):
+            if old.startswith("step_") and old != name:
+                shutil.rmtree(os.path.join(args.checkpoint, old))
+        print(f"checkpoint: step {step} -> {args.checkpoint}/{name}", flush=True)
+
+
+def load_checkpoint(args, model, optimizer):
+    """Every rank resumes from --checkpoint if it holds one; return the step to start from.
+
+    A bad or mismatched checkpoint stops every rank with one line and is left as it is.
+    """
+    def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
+        fail(f"fsdp.py: error: --checkpoint {args.checkpoint}: {why}")
+
+    if not os.path.exists(args.checkpoint):
+        return 0
+    if not os.path.isdir(args.checkpoint):
+        refuse("is a file; fsdp.py keeps sharded checkpoints in a folder: point elsewhere")
+    latest = os.path.join(args.checkpoint, "latest")
+    if not os.path.exists(latest):
+        if os.listdir(args.checkpoint):
+            refuse("this folder holds no checkpoint of fsdp.py (no 'latest' file); "
+                   "point --checkpoint at a new or empty folder")
+        return 0
+    try:
+        with open(latest) as f:
+            folder = os.path.join(args.checkpoint, f.read().strip())
+        with open(os.path.join(folder, "train_state.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    if (meta["hidden"], meta["blocks"]) != (args.hidden, args.blocks):
+        refuse(f"saved with --hidden {meta['hidden']} --blocks {meta['blocks']}; "
+               "use the same model size")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if meta[key] != getattr(args, key):
+            refuse(f"written with {flag} {meta[key]}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {meta[key]}")
+    # Load into this rank's sharded state dicts: DCP reads the pieces of each saved tensor
+    # that this rank's slices need, however many ranks wrote them.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        # A collective: an error on any rank is raised on every rank.
+        dcp.load(state, checkpoint_id=folder)
+    except Exception as e:  # a missing or truncated shard, a corrupt index...
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    print0(f"fsdp: resumed from {folder} at step {meta['step']}")
+    return meta["step"]
+
+
+def run(args):
+    """What each worker process does: join, train, save, leave."""
+    rank, world_size, device = setup(args)
+    model, _, _ = train(args, rank, world_size, device)
+    if args.save:
+        # A plain state_dict of full tensors. model.state_dict() would hold DTensors (this
+        # rank's slices), which torch.load(weights_only=True) into a SimpleModel refuses.
+        # Gathering them is a collective: every rank calls it (.full_tensor() on rank 0 alone
+        # waits for the others until the timeout). cpu_offload: only rank 0 gets the tensors,
+        # in CPU memory, so no device ever holds the whole model.
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+        if rank == 0:
+            save_atomic(weights, args.save)
+    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
+    # collective that we will never join, and tearing the group down under it can deadlock
+    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        # torch 2.13 trap: without this pause a worker that trained correctly can die at exit
+        # with "terminate called without an active exception" (SIGABRT; torchrun reports a
+        # failure). gloo's worker threads outlive destroy_process_group (FSDP keeps the group
+        # alive), and one of them may still have to drop its reference to the last tensor we
+        # all-reduced. That tensor belongs to Python, so dropping it takes the GIL, which this
+        # thread holds until the interpreter is already finalizing; a thread that asks for the
+        # GIL then is killed, inside C++, and the process aborts (see pytorch/pytorch#179291).
+        # Sleeping hands the GIL over so the thread can finish while Python is still alive.
+        # (os._exit(0) would skip finalization altogether, and with it your atexit handlers:
+        # loggers, profilers.) Measured: 3 of 60 launches aborted on a loaded 2-core machine
+        # without it, none of 50 with it (FSDP2: 3 of 60 without, 0 of 50 with).
+        time.sleep(0.2)
+
+
+def free_port():
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
+
+    Another program could take it before rank 0 binds it again; rare, and then the run fails
+    at once with "address already in use" rather than hanging.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(local_rank, args, port):
+    """Entry point of a worker started by `python fsdp.py`: set what torchrun would set."""
+    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
+    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
+    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_WORLD_SIZE=str(args.nproc))
+    run(args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        run(args)  # torchrun started one process per rank; this is one of them
+    else:
+        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
+        # for all, and if one fails it terminates the others and raises here.
+        try:
+            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
+            # printed it already and exited 1: end with its exit status, not with spawn's
+            # dozen-line traceback under the message. Anything else (a crash, a signal):
+            # spawn's message, which carries the worker's traceback, in place of ours.
+            code = getattr(e, "exit_code", None)
+            raise SystemExit(code if code is not None and code > 0 else f"fsdp.py: {e}")
+
+
+if __name__ == "__main__":
+    main()
