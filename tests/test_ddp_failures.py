@@ -4,16 +4,14 @@ number of ranks; a dead peer ends the job; bad input is refused in one line."""
 import importlib
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import common
-from conftest import (JOB, JOB_FLAGS, REPO, finish, free_port, launch_and_kill_a_worker,
-                      launch_together, load_saved, max_diff, ok, refused_in_one_line, start,
-                      torchrun, torchrun_cmd)
+from conftest import (JOB, JOB_FLAGS, free_port, launch_and_kill_a_worker, launch_together,
+                      load_saved, max_diff, ok, refused_in_one_line, torchrun, torchrun_cmd)
 from reference import reference_train
 from test_ddp import TOL
 
@@ -23,17 +21,13 @@ LONG = dict(JOB, steps=300, batch_size=60)
 LONG_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()]
 
 
-def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_uninterrupted_weights(tmp_path):
-    # the uninterrupted run, alongside
-    straight = start(*torchrun_cmd(2, "ddp.py", *LONG_FLAGS, f"--save={tmp_path / 'straight.pt'}"))
+def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weights(tmp_path):
     result, _ = launch_and_kill_a_worker(
         *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "ddp.py",
         *LONG_FLAGS, f"--checkpoint={tmp_path / 'ckpt.pt'}", "--checkpoint-every=10",
         f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
     assert result.returncode == 0, result.stdout
     assert "ddp: resumed from" in result.stdout  # the group really restarted from the file
-    ok(finish(straight))
-    assert max_diff(load_saved(tmp_path / "w.pt"), load_saved(tmp_path / "straight.pt")) == 0.0
     _, expected, _ = reference_train(**LONG)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
 
@@ -64,25 +58,6 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monk
         common.save_atomic({"step": torch.tensor(2)}, path)
     assert torch.load(path, weights_only=True)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
-
-
-def test_two_nodes_with_c10d_rendezvous_equal_one_node(reference, tmp_path):
-    port = free_port()
-    nodes = [subprocess.Popen(
-        [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node-rank={i}",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test",
-         "ddp.py", *JOB_FLAGS, f"--save={tmp_path / 'w.pt'}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    try:
-        outs = [node.communicate(timeout=90)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, out in zip(nodes, outs):
-        assert node.returncode == 0, out
-    assert "ddp: 2 ranks" in "".join(outs)
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
@@ -127,7 +102,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["dataparallel", "ddp", "amp", "pipeline"]
+SCRIPTS = ["dataparallel", "ddp", "fsdp", "amp", "pipeline"]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
@@ -176,7 +151,7 @@ def test_bad_checkpoint_ends_in_its_one_line_on_every_launch_path(tmp_path):
     flags = ["--steps=2", f"--checkpoint={ckpt}"]
     spawned, under_torchrun = launch_together([
         [sys.executable, "ddp.py", "--nproc=1", "--device=cpu", *flags],
-        torchrun_cmd(2, "ddp.py", *flags)])
+        torchrun_cmd(1, "ddp.py", *flags)])
     line = f"ddp.py: error: --checkpoint {ckpt}: cannot be read"
     assert spawned.returncode == 1, spawned.stderr
     assert "Traceback" not in spawned.stderr
@@ -189,11 +164,10 @@ def test_bad_checkpoint_ends_in_its_one_line_on_every_launch_path(tmp_path):
 @pytest.mark.parametrize("omp", [None, "3"])
 def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monkeypatch):
     import ddp
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
-        monkeypatch.delenv(var, raising=False)  # spawned() sets them; restored afterwards
-    if omp:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    # spawned() sets RANK, WORLD_SIZE, ... in os.environ: give it a copy, so that they do not
+    # leak into the environment of every command the later tests launch.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    monkeypatch.setattr(os, "environ", {**env, **({"OMP_NUM_THREADS": omp} if omp else {})})
     threads = []
     monkeypatch.setattr(ddp, "run", lambda args: threads.append(torch.get_num_threads()))
     before = torch.get_num_threads()

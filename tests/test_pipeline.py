@@ -15,7 +15,6 @@ TOL = 1e-6
 
 RUNS = {  # name: (ranks under torchrun, or None for `python pipeline.py`; flags)
     "model parallel, 3 stages": (None, ["--stages=3", "--device=cpu"]),
-    "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4"]),
     "2 stages, 1f1b": (2, ["--schedule=1f1b", "--microbatches=4"]),
     "3 stages, gpipe": (3, ["--schedule=gpipe", "--microbatches=4"]),
     "3 stages, 1f1b": (3, ["--schedule=1f1b", "--microbatches=4"]),

@@ -1,0 +1,149 @@
+"""fsdp.py: sharding the model over N ranks trains to the same weights as one device; its
+sharded checkpoints resume on any number of ranks; each rank holds 1/N of the training state."""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
+                      launch_together, load_saved, logged_losses, max_diff, needs_cuda, ok,
+                      refused_in_one_line, succeeded, summary_val_loss, torchrun, torchrun_cmd)
+
+# Measured on a 2-core CPU, torch 2.13.0, max weight difference from the oracle: 1 rank 4.5e-8,
+# 2 ranks 7.5e-8, 3 ranks (uneven shards: 32 rows -> 11/11/10) 9.7e-8, 4 ranks 4.5e-8,
+# accumulation 6.7e-8. Sharding sums the gradient in another order (reduce-scatter), which
+# moves the last bit of fp32. 1e-6 leaves a 10x margin; a real mistake moves 1e-3 or more.
+TOL = 1e-6
+# bf16 compute, fp32 reduction and weights: the final loss measured 2.1e-4 from fp32's, relative.
+BF16_REL_TOL = 0.01
+
+RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra flags)
+    "torchrun 1 rank": (1, []),
+    "torchrun 2 ranks": (2, []),
+    "torchrun 3 ranks": (3, []),
+    "torchrun 4 ranks": (4, []),
+    # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step
+    "spawn 2 ranks, accum 2": (None, ["--nproc=2", "--device=cpu", "--accum-steps=2"]),
+    "torchrun 1 rank, bf16": (1, ["--mixed-precision=bf16"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launch_runs("fsdp.py", RUNS, tmp_path_factory.mktemp("fsdp"))
+
+
+def state_mib(stdout):
+    return float(re.search(r"\| state ([0-9.]+) MiB/rank", stdout).group(1))
+
+
+@pytest.mark.parametrize("name", ["torchrun 1 rank", "torchrun 2 ranks", "torchrun 3 ranks",
+                                  "torchrun 4 ranks"])
+def test_fsdp_on_n_ranks_equals_one_device(name, runs, reference, reference_val):
+    out, weights = succeeded(runs[name])  # --save: a plain state_dict, loaded strictly
+    assert max_diff(weights, reference[1]) < TOL
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+
+
+def test_spawn_path_with_gradient_accumulation_equals_one_big_batch(runs, reference):
+    assert max_diff(succeeded(runs["spawn 2 ranks, accum 2"])[1], reference[1]) < TOL
+
+
+def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):
+    one, two = (state_mib(succeeded(runs[n])[0]) for n in ("torchrun 1 rank", "torchrun 2 ranks"))
+    assert two == pytest.approx(one / 2, rel=0.01)
+    # weights + gradients + Adam's two moments: 4 fp32 numbers per parameter on one rank
+    n_params = sum(v.numel() for v in reference_state().values())
+    assert one == pytest.approx(16 * n_params / 2**20, abs=1e-3)
+
+
+def reference_state():
+    from common import SimpleModel
+    return SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).state_dict()
+
+
+def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
+    out = succeeded(runs["torchrun 1 rank, bf16"])[0]
+    losses = logged_losses(out)
+    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
+
+
+def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
+    ckpt = tmp_path / "c"
+    out = ok(torchrun(2, "fsdp.py", *JOB_FLAGS, "--steps=4", f"--checkpoint={ckpt}",
+                      "--checkpoint-every=2"))
+    assert "checkpoint: step 4" in out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000004"]  # 2 removed
+    # what a crash in the middle of writing step 6 leaves: a folder that `latest` does not name
+    (ckpt / "step_00000006").mkdir()
+    (ckpt / "step_00000006" / "__0_0.distcp").write_bytes(b"half a shard")
+    for nproc in (1, 3):
+        shutil.copytree(ckpt, tmp_path / f"c{nproc}")
+    resumed = launch_together([
+        torchrun_cmd(nproc, "fsdp.py", *JOB_FLAGS, f"--checkpoint={tmp_path / f'c{nproc}'}",
+                     f"--save={tmp_path / f'w{nproc}.pt'}") for nproc in (1, 3)])
+    straight = succeeded(runs["torchrun 2 ranks"])[1]
+    for nproc, result in zip((1, 3), resumed):
+        out = ok(result)
+        assert "resumed from" in out and "at step 4" in out
+        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), straight) < TOL
+
+
+@pytest.mark.parametrize("content, message", [
+    ("garbage latest", "cannot be read (FileNotFoundError)"),
+    ("not a folder", "is a file; fsdp.py keeps sharded checkpoints in a folder"),
+    ("other files", "holds no checkpoint of fsdp.py"),
+    ("other size", "saved with --hidden 16 --blocks 3; use the same model size"),
+    ("other batch", "written with --batch-size 60, not 64"),
+])
+def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(content, message, tmp_path):
+    """load_checkpoint reads the small files first, on every rank, before any collective."""
+    import fsdp
+    args = fsdp.parse_args(["--device=cpu", "--nproc=1", "--hidden=32", "--blocks=3"])
+    ckpt = tmp_path / "ckpt"
+    args.checkpoint = str(ckpt)
+    if content == "not a folder":
+        ckpt.write_bytes(b"a ddp.py checkpoint, say")
+    else:
+        ckpt.mkdir()
+        if content == "garbage latest":
+            (ckpt / "latest").write_text("step_00000099")
+        elif content == "other files":
+            (ckpt / "notes.txt").write_text("mine")
+        else:
+            (ckpt / "step_00000004").mkdir()
+            (ckpt / "latest").write_text("step_00000004")
+            meta = dict(step=4, batch_size=64, seed=0, hidden=32, blocks=3)
+            meta.update(hidden=16) if content == "other size" else meta.update(batch_size=60)
+            (ckpt / "step_00000004" / "train_state.json").write_text(json.dumps(meta))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exit_:
+        fsdp.load_checkpoint(args, None, None)
+    assert str(exit_.value).startswith(f"fsdp.py: error: --checkpoint {ckpt}: ")
+    assert message in str(exit_.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size=64"], "--batch-size 64 must be divisible by world size 3"),
+    (["--backend=nccl", "--device=cpu"], "shards CPU tensors, which only gloo carries"),
+])
+def test_bad_flags_are_refused_in_one_line(flags, message, as_torchrun, capsys):
+    as_torchrun(3)
+    refused_in_one_line("fsdp", flags, message, capsys)
+
+
+@needs_cuda
+def test_fsdp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
+    result = torchrun(1, "fsdp.py", *JOB_FLAGS, "--device=cuda", f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+@needs_cuda
+def test_fsdp_bf16_on_gpu_trains_to_the_fp32_loss(reference):
+    out = ok(torchrun(1, "fsdp.py", *JOB_FLAGS, "--device=cuda", "--mixed-precision=bf16"))
+    assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
