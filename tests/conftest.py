@@ -1,5 +1,8 @@
 """Launch the scripts as users do, with a timeout, and read back what they saved."""
 
+import contextlib
+import importlib
+import io
 import os
 import re
 import signal
@@ -96,15 +99,25 @@ def torchrun(nproc, script, *args, **kw):
 
 def launch_runs(script, runs, folder):
     """Launch every run of `runs` at once. `runs` is {name: (N, flags)}: N ranks under torchrun,
-    or N = None for `python script`; each run trains JOB with its flags and saves its weights.
-    Return {name: (result, path it saved to)}."""
+    or N = None for `python script`; each run trains JOB with its flags ("{folder}" in a flag
+    stands for `folder`) and saves its weights. Return {name: (result, path it saved to)}."""
     commands, paths = [], []
     for i, (nproc, flags) in enumerate(runs.values()):
         paths.append(folder / f"{i}.pt")
-        args = [*JOB_FLAGS, *flags, f"--save={paths[-1]}"]
+        args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags), f"--save={paths[-1]}"]
         commands.append(python_cmd(script, *args) if nproc is None
                         else torchrun_cmd(nproc, script, *args))
     return dict(zip(runs, zip(launch_together(commands), paths)))
+
+
+def run_in_process(script, flags, folder):
+    """Run a single-process script's main() in this process, as `python script JOB flags` would
+    but without paying seconds of torch imports for a new process; return (stdout, weights)."""
+    path = folder / f"{abs(hash(tuple(flags)))}.pt"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        importlib.import_module(script).main([*JOB_FLAGS, *flags, f"--save={path}"])
+    return out.getvalue(), load_saved(path)
 
 
 def succeeded(run):
@@ -236,7 +249,6 @@ def free_port():
 def refused_in_one_line(script, flags, message, capsys):
     """parse_args of `script` (imported, not launched) exits 2 with exactly one error line,
     which contains `message`. Bad flags are refused before any process or group starts."""
-    import importlib
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(script).parse_args(flags)
     assert exit_.value.code == 2

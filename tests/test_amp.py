@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from common import IN_FEATURES, SimpleModel
-from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle,
-                      launch_runs, load_saved, logged_losses, max_diff, needs_cuda, ok, python,
-                      succeeded, summary_val_loss)
+from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
+                      logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
+                      summary_val_loss)
 from reference import reference_train
 
 amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
@@ -23,22 +23,24 @@ LOW_PRECISION_REL_TOL = 0.01
 CLIP = 0.05  # small enough that clipping is active at every step of JOB
 
 
-RUNS = {  # name: (None: `python amp.py`; flags). Each trains JOB.
-    "fp32": (None, ["--dtype=fp32"]),
-    "fp32, clipped": (None, ["--dtype=fp32", f"--clip={CLIP}"]),
-    "default dtype on CPU": (None, ["--device=cpu"]),
-    "fp16": (None, ["--dtype=fp16", "--device=cpu"]),
+RUNS = {  # name: flags of `python amp.py`, run in this process (amp.main). Each trains JOB.
+    "fp32": ["--dtype=fp32"],
+    "fp32, clipped": ["--dtype=fp32", f"--clip={CLIP}"],
+    "default dtype on CPU": ["--device=cpu"],
+    "fp16": ["--dtype=fp16", "--device=cpu"],
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch_runs("amp.py", RUNS, tmp_path_factory.mktemp("amp"))
+    """{name: (stdout, saved weights)}. `python amp.py` itself is launched by test_defaults."""
+    folder = tmp_path_factory.mktemp("amp")
+    return {name: run_in_process("amp", flags, folder) for name, flags in RUNS.items()}
 
 
 def test_fp32_with_default_flags_equals_one_device_like_every_other_script(runs, reference,
                                                                           reference_val):
-    out, weights = succeeded(runs["fp32"])
+    out, weights = runs["fp32"]
     assert max_diff(weights, reference[1]) < 1e-6
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
@@ -47,16 +49,16 @@ def test_fp32_is_exactly_the_baseline_including_clipping(runs):
     _, clipped, _ = reference_train(**JOB, clip=CLIP)
     _, unclipped, _ = reference_train(**JOB)
     assert max_diff(clipped, unclipped) > 1e-3  # the clip really changes the run
-    assert max_diff(succeeded(runs["fp32, clipped"])[1], clipped) < 1e-6
+    assert max_diff(runs["fp32, clipped"][1], clipped) < 1e-6
 
 
 def test_default_dtype_on_cpu_is_bf16(runs):
-    assert "amp: dtype bf16 | device cpu" in succeeded(runs["default dtype on CPU"])[0]
+    assert "amp: dtype bf16 | device cpu" in runs["default dtype on CPU"][0]
 
 
 @pytest.mark.parametrize("name", ["default dtype on CPU", "fp16"])
 def test_low_precision_on_cpu_trains_to_the_fp32_loss(name, runs, reference, reference_val):
-    out = succeeded(runs[name])[0]
+    out = runs[name][0]
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)

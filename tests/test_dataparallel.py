@@ -2,8 +2,8 @@
 
 import pytest
 
-from conftest import (JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, load_saved, logged_losses,
-                      max_diff, needs_cuda, ok, python, summary_numbers, summary_val_loss)
+from conftest import (JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, logged_losses, max_diff,
+                      needs_cuda, python, run_in_process, summary_numbers, summary_val_loss)
 
 # Measured on CPU, torch 2.13.0: bit-identical without accumulation (DataParallel without GPUs
 # calls the model), 6.7e-8 with --accum-steps 2 (the batch summed in two halves).
@@ -12,10 +12,10 @@ TOL = 1e-6
 
 def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, reference_val,
                                                                   tmp_path):
-    out = ok(python("dataparallel.py", *JOB_FLAGS, "--device=cpu", "--accum-steps=2",
-                    f"--save={tmp_path / 'w.pt'}"))
+    # in this process (dataparallel.main); `python dataparallel.py` is launched by test_defaults
+    out, weights = run_in_process("dataparallel", ["--device=cpu", "--accum-steps=2"], tmp_path)
     assert "no GPU" in out  # it says once that DataParallel has nothing to spread over
-    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
+    assert max_diff(weights, reference[1]) < TOL
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert all(x > 0 for x in summary_numbers(out))

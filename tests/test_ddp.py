@@ -1,5 +1,7 @@
 """ddp.py trains to the same weights as one device, however the batch is spread."""
 
+import shutil
+
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
@@ -8,10 +10,10 @@ import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
 from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, fails_clearly,
-                      launch_runs, logged_losses, logged_val_losses, max_diff, needs_2_gpus,
-                      needs_cuda, python, refused_in_one_line, succeeded, summary_val_loss,
-                      torchrun)
-from reference import reference_val_loss
+                      launch_runs, launch_together, load_saved, logged_losses, logged_val_losses,
+                      max_diff, needs_2_gpus, needs_cuda, ok, python, refused_in_one_line,
+                      succeeded, summary_val_loss, torchrun, torchrun_cmd)
+from reference import reference_train, reference_val_loss
 
 # Measured on a 2-core CPU, torch 2.13.0: 1 rank is bit-identical to the oracle; 2 and 3 ranks
 # and accumulation differ by at most 8.2e-8 (summing the batch in another order changes the
@@ -23,9 +25,9 @@ TOL = 1e-6
 # name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB.
 RUNS = {
     "torchrun 1 rank": (1, []),
-    "torchrun 2 ranks": (2, []),
+    # also writes a checkpoint every 4 steps: the resume test below continues from it
+    "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4"]),
     "torchrun 3 ranks": (3, []),
-    "torchrun 2 ranks, accum 2": (2, ["--accum-steps=2"]),
     "torchrun 2 ranks, accum 3": (2, ["--accum-steps=3"]),
     "spawn 2 ranks": (None, ["--nproc=2", "--device=cpu"]),
 }
@@ -77,9 +79,25 @@ def test_three_ranks_pad_the_held_out_set_so_averaging_rank_means_would_be_wrong
     assert abs(naive - exact) > 10 * VAL_TOL
 
 
-@pytest.mark.parametrize("name", ["torchrun 2 ranks, accum 2", "torchrun 2 ranks, accum 3"])
-def test_gradient_accumulation_equals_one_big_batch(name, runs, reference):
-    assert max_diff(weights(runs, name), reference[1]) < TOL
+def test_gradient_accumulation_equals_one_big_batch(runs, reference):
+    assert max_diff(weights(runs, "torchrun 2 ranks, accum 3"), reference[1]) < TOL
+
+
+def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
+    """The 2-rank run's checkpoint (step 8), continued to step 12 on 1 and on 3 ranks, ends
+    with the weights of 12 uninterrupted steps on one device."""
+    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt.pt"
+    for nproc in (1, 3):
+        shutil.copy(ckpt, tmp_path / f"c{nproc}.pt")
+    resumed = launch_together([
+        torchrun_cmd(nproc, "ddp.py", *JOB_FLAGS, "--steps=12",
+                     f"--checkpoint={tmp_path / f'c{nproc}.pt'}",
+                     f"--save={tmp_path / f'w{nproc}.pt'}") for nproc in (1, 3)])
+    _, expected, _ = reference_train(**dict(JOB, steps=12))
+    for nproc, result in zip((1, 3), resumed):
+        out = ok(result)
+        assert "resumed from" in out and "at step 8" in out
+        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), expected) < TOL
 
 
 def test_spawn_path_equals_torchrun_path(runs):

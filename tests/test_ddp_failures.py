@@ -3,15 +3,14 @@ number of ranks; a dead peer ends the job; bad input is refused in one line."""
 
 import importlib
 import os
-import shutil
 import sys
 
 import pytest
 import torch
 
 import common
-from conftest import (JOB, JOB_FLAGS, free_port, launch_and_kill_a_worker, launch_together,
-                      load_saved, max_diff, ok, refused_in_one_line, torchrun, torchrun_cmd)
+from conftest import (JOB, free_port, launch_and_kill_a_worker, launch_together, load_saved,
+                      max_diff, refused_in_one_line, torchrun_cmd)
 from reference import reference_train
 from test_ddp import TOL
 
@@ -30,19 +29,6 @@ def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weight
     assert "ddp: resumed from" in result.stdout  # the group really restarted from the file
     _, expected, _ = reference_train(**LONG)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
-
-
-def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(reference, tmp_path):
-    ok(torchrun(2, "ddp.py", *JOB_FLAGS, "--steps=4", f"--checkpoint={tmp_path / 'c.pt'}"))
-    for nproc in (1, 3):
-        shutil.copy(tmp_path / "c.pt", tmp_path / f"c{nproc}.pt")
-    resumed = launch_together([
-        torchrun_cmd(nproc, "ddp.py", *JOB_FLAGS, f"--checkpoint={tmp_path / f'c{nproc}.pt'}",
-                     f"--save={tmp_path / f'w{nproc}.pt'}") for nproc in (1, 3)])
-    for nproc, result in zip((1, 3), resumed):
-        out = ok(result)
-        assert "resumed from" in out and "at step 4" in out
-        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), reference[1]) < TOL
 
 
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):

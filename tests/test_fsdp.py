@@ -10,6 +10,7 @@ import pytest
 from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
                       launch_together, load_saved, logged_losses, max_diff, needs_cuda, ok,
                       refused_in_one_line, succeeded, summary_val_loss, torchrun, torchrun_cmd)
+from reference import reference_train
 
 # Measured on a 2-core CPU, torch 2.13.0, max weight difference from the oracle: 1 rank 4.5e-8,
 # 2 ranks 7.5e-8, 3 ranks (uneven shards: 32 rows -> 11/11/10) 9.7e-8, 4 ranks 4.5e-8,
@@ -21,7 +22,8 @@ BF16_REL_TOL = 0.01
 
 RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra flags)
     "torchrun 1 rank": (1, []),
-    "torchrun 2 ranks": (2, []),
+    # also writes a sharded checkpoint every 4 steps: the resume test continues from it
+    "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt", "--checkpoint-every=4"]),
     "torchrun 3 ranks": (3, []),
     "torchrun 4 ranks": (4, []),
     # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step
@@ -73,24 +75,25 @@ def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
 
 
 def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
-    ckpt = tmp_path / "c"
-    out = ok(torchrun(2, "fsdp.py", *JOB_FLAGS, "--steps=4", f"--checkpoint={ckpt}",
-                      "--checkpoint-every=2"))
-    assert "checkpoint: step 4" in out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000004"]  # 2 removed
-    # what a crash in the middle of writing step 6 leaves: a folder that `latest` does not name
-    (ckpt / "step_00000006").mkdir()
-    (ckpt / "step_00000006" / "__0_0.distcp").write_bytes(b"half a shard")
+    """The 2-rank run's sharded checkpoint (step 8), continued to step 12 on 1 and on 3 ranks
+    (the shards cut anew), ends with the weights of 12 uninterrupted steps on one device."""
+    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
+    # step 4 was written, then replaced by step 8 once that was complete
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000008"]
     for nproc in (1, 3):
         shutil.copytree(ckpt, tmp_path / f"c{nproc}")
+        # what a crash in the middle of writing step 10 leaves: a folder `latest` does not name
+        (tmp_path / f"c{nproc}" / "step_00000010").mkdir()
+        (tmp_path / f"c{nproc}" / "step_00000010" / "__0_0.distcp").write_bytes(b"half a shard")
     resumed = launch_together([
-        torchrun_cmd(nproc, "fsdp.py", *JOB_FLAGS, f"--checkpoint={tmp_path / f'c{nproc}'}",
+        torchrun_cmd(nproc, "fsdp.py", *JOB_FLAGS, "--steps=12",
+                     f"--checkpoint={tmp_path / f'c{nproc}'}",
                      f"--save={tmp_path / f'w{nproc}.pt'}") for nproc in (1, 3)])
-    straight = succeeded(runs["torchrun 2 ranks"])[1]
+    _, expected, _ = reference_train(**dict(JOB, steps=12))
     for nproc, result in zip((1, 3), resumed):
         out = ok(result)
-        assert "resumed from" in out and "at step 4" in out
-        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), straight) < TOL
+        assert "resumed from" in out and "at step 8" in out
+        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), expected) < TOL
 
 
 @pytest.mark.parametrize("content, message", [
