@@ -1,6 +1,6 @@
 """slurm/ddp.sbatch, submitted unchanged to a real Slurm: a controller and two slurmd "nodes" on
-this machine. The job completes with the one-device weights; a requeued job resumes from its
-checkpoint to the uninterrupted run's weights; a failing job ends FAILED; scancel leaves nothing.
+this machine. A two-node job, requeued mid-run, resumes from its checkpoint and completes with
+the one-device weights; a failing job ends FAILED; scancel leaves nothing behind.
 """
 
 import os
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOB, JOB_FLAGS, REPO, load_saved, max_diff
+from conftest import JOB, REPO, load_saved, max_diff
 from reference import reference_train
 from test_ddp import TOL
 
@@ -148,18 +148,8 @@ def processes_with(text):
     return pids
 
 
-def test_two_node_job_completes_with_the_one_device_weights(cluster, tmp_path):
-    job = cluster.submit(*JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
-    fields = cluster.wait(job)
-    log = cluster.log(job)
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log
-    assert "ddp: 2 ranks" in log  # 2 nodes x 1 worker (NPROC_PER_NODE=1)
-    assert fields["NumNodes"] == "2"
-    _, expected, _ = reference_train(**JOB)
-    assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
-
-
-def test_requeued_job_resumes_from_its_checkpoint_to_the_uninterrupted_weights(cluster, tmp_path):
+def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device_weights(
+        cluster, tmp_path):
     long = dict(JOB, steps=120, batch_size=60)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in long.items()]
     ckpt = tmp_path / "ckpt.pt"
@@ -176,7 +166,9 @@ def test_requeued_job_resumes_from_its_checkpoint_to_the_uninterrupted_weights(c
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     fields = cluster.wait(job)
     log = cluster.log(job)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log
+    assert fields["Restarts"] == "1" and fields["NumNodes"] == "2", fields
+    assert "ddp: 2 ranks" in log  # 2 nodes x 1 worker (NPROC_PER_NODE=1), met at the first
     assert "ddp: resumed from" in log and "(restart 1)" in log
     _, expected, _ = reference_train(**long)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
