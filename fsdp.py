@@ -218,8 +218,8 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the sharded model, its optimizer, the final loss (averaged over all
-    ranks) and the final validation loss."""
+    """Train; return the sharded model, the final loss (averaged over all ranks) and the
+    final validation loss."""
     # --- FSDP: build the model without memory, shard it, then fill the shards ---
     # On the "meta" device a module has shapes but no storage: a model far bigger than one
     # device costs nothing to build here.

@@ -1,35 +1,48 @@
-"""Every script, launched with its defaults as a user would, trains: the loss and the validation
+"""Every script, run with its defaults, trains: the loss and the validation
 loss fall. The flags they share have the same defaults everywhere, so the same flags give the
 same numbers whichever script runs them."""
 
+import contextlib
 import importlib
+import io
+import sys
 
 import pytest
 
 from conftest import (initial_val_loss, launch_together, logged_losses, logged_val_losses, ok,
-                      python_cmd, summary_numbers, summary_val_loss, torchrun_cmd)
+                      summary_numbers, summary_val_loss, torchrun_cmd)
 
 SCRIPTS = ["dataparallel", "ddp", "fsdp", "amp", "pipeline"]
-# The pipelined stages (torchrun pipeline.py) are proven on JOB by tests/test_pipeline.py.
-DEFAULT_RUNS = {
+# The multi-process ones are launched as the README says; the single-process ones run their
+# main() with no flags in this process (the same code as `python X.py`, without seconds of
+# torch imports for a new process). The pipelined stages (torchrun pipeline.py) are proven on
+# JOB by tests/test_pipeline.py.
+LAUNCHED = {
     "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py"),  # the README's first
-    "python dataparallel.py": python_cmd("dataparallel.py"),
-    "python amp.py": python_cmd("amp.py"),
-    "python pipeline.py": python_cmd("pipeline.py"),
-    "python fsdp.py": python_cmd("fsdp.py"),  # starts 2 workers on a CPU
+    "python fsdp.py": [sys.executable, "fsdp.py"],  # starts 2 workers on a CPU
 }
+IN_PROCESS = ["dataparallel", "amp", "pipeline"]
 
 
 @pytest.fixture(scope="module")
 def default_runs():
-    return dict(zip(DEFAULT_RUNS, launch_together(DEFAULT_RUNS.values())))
+    """{name: (stdout, stderr)} of every script's default run."""
+    runs = {}
+    for name, result in zip(LAUNCHED, launch_together(LAUNCHED.values())):
+        runs[name] = ok(result), result.stderr
+    for script in IN_PROCESS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            importlib.import_module(script).main([])
+        runs[f"python {script}.py"] = out.getvalue(), ""
+    return runs
 
 
-@pytest.mark.parametrize("name", DEFAULT_RUNS)
+@pytest.mark.parametrize("name", [*LAUNCHED, *(f"python {s}.py" for s in IN_PROCESS)])
 def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
-    out = ok(default_runs[name])
+    out, err = default_runs[name]
     # gloo workers that trained correctly must not abort at exit (see ddp.py's run())
-    assert "terminate called" not in default_runs[name].stderr
+    assert "terminate called" not in err
     losses, val_losses = logged_losses(out), logged_val_losses(out)
     assert losses[-1] < 0.1 * losses[0], losses
     assert len(val_losses) == 4, val_losses  # --eval-every 50 of --steps 200
