@@ -40,7 +40,7 @@ Docs
     https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
     https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html
     https://pytorch.org/docs/stable/distributed.checkpoint.html
-Tested with torch 2.7.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+Tested with torch 2.9.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
 import argparse
@@ -119,6 +119,13 @@ def parse_args(argv=None):
         # reduce-scatters of GPU tensors need NCCL, and NCCL one GPU per rank.
         parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): FSDP on GPUs "
                      "needs one GPU per rank; use fewer ranks or --device cpu")
+    if not use_cuda and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
+        # Measured here: on torch 2.7 and 2.8, FSDP2 over gloo *sums* the gradients of the
+        # ranks instead of averaging them, silently (pytorch/pytorch#162338). Adam hides most
+        # of it (it is nearly scale-free), which is what makes it dangerous.
+        parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or "
+                     "later (older ones sum the gradients instead of averaging them); "
+                     "upgrade torch, or run on GPUs")
     carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
     if args.backend not in ("auto", carrier):
         parser.error(f"--backend {args.backend}: FSDP here shards {'GPU' if use_cuda else 'CPU'} "
@@ -228,9 +235,8 @@ def train(args, rank, world_size, device):
     # bf16: each block's weights are gathered (and computed with) in bf16; the gradients are
     # reduce-scattered in fp32, since summing N ranks' gradients in bf16 (8 bits of mantissa)
     # would round away the small ones, and the sharded weights Adam updates stay fp32.
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
-        reduce_dtype=torch.float32)
+    compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # Each Block becomes one unit of communication: its weights are gathered just before it
     # runs and freed right after, so only one block is ever whole at a time. Blocks first,
     # then the root (which takes the rest: the input and output layers). The other order
@@ -239,7 +245,11 @@ def train(args, rank, world_size, device):
     # averages, and the ranks drift apart (0.012 after 12 steps, measured).
     for block in model.blocks.values():
         fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+    # The whole model's output goes back to fp32, so the loss is computed in fp32 (torch 2.7
+    # and 2.8 fail in backward on a bf16 output against fp32 targets: "Found dtype Float but
+    # expected BFloat16").
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(
+        param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32))
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly

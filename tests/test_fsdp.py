@@ -149,3 +149,13 @@ def test_fsdp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
 def test_fsdp_bf16_on_gpu_trains_to_the_fp32_loss(reference):
     out = ok(torchrun(1, "fsdp.py", *JOB_FLAGS, "--device=cuda", "--mixed-precision=bf16"))
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
+
+
+def test_torch_older_than_2_9_is_refused_on_cpu(as_torchrun, capsys, monkeypatch):
+    """On torch 2.7 and 2.8 FSDP2 over gloo sums the gradients instead of averaging them: this
+    suite measured a 1.3e-3 weight difference from the oracle there, on every rank count."""
+    import torch
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    as_torchrun(2)
+    refused_in_one_line("fsdp", ["--device=cpu"], "FSDP on CPU (gloo) needs torch 2.9 or later",
+                        capsys)
