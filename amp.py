@@ -30,7 +30,7 @@ What mixed precision adds
 Docs
     https://pytorch.org/docs/stable/amp.html
     https://pytorch.org/docs/stable/notes/amp_examples.html
-Tested with torch 2.9.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
 """
 
 

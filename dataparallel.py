@@ -25,7 +25,7 @@ Docs
     https://pytorch.org/docs/stable/generated/torch.nn.DataParallel.html
     https://pytorch.org/docs/stable/notes/cuda.html (section "Use nn.parallel.
     DistributedDataParallel instead of multiprocessing or nn.DataParallel")
-Tested with torch 2.9.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
 """
 
 

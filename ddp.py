@@ -37,7 +37,7 @@ What changes from DataParallel
 Docs
     https://pytorch.org/docs/stable/notes/ddp.html
     https://pytorch.org/tutorials/intermediate/ddp_tutorial.html
-Tested with torch 2.9.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
 import argparse

@@ -40,7 +40,7 @@ Docs
     https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
     https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html
     https://pytorch.org/docs/stable/distributed.checkpoint.html
-Tested with torch 2.9.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
 import argparse

@@ -53,7 +53,7 @@ What changes from data parallelism
 Docs
     https://pytorch.org/docs/stable/distributed.pipelining.html
     https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html
-Tested with torch 2.9.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
 import argparse
@@ -68,8 +68,9 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
-from common import num_params, positive, print0, save_atomic, seed_everything
+from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, SimpleModel, eval_line
+from common import log_line, make_dataset, num_params, positive, print0, save_atomic
+from common import seed_everything
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -263,9 +264,19 @@ def train(args, rank, world_size, devices):
         # --- Pipeline parallelism: this rank's stage, and the schedule that drives it ---
         device = devices[0]
         stages = [cut(model, rank, world_size).to(device)]
-        # PipelineStage knows its neighbours by stage index (rank - 1 and rank + 1) and
-        # works out the activation shapes from the first micro-batch.
-        stage = PipelineStage(stages[0], rank, world_size, device)
+        # PipelineStage knows its neighbours by stage index (rank - 1 and rank + 1). Left to
+        # itself it would infer the activation shapes from the first micro-batch, sending them
+        # between stages as pickled objects (which need NumPy since torch 2.15: "RuntimeError:
+        # Numpy is not available"). Example input and output of one micro-batch (on "meta":
+        # shapes only, no memory) skip that. An input that requires grad is one whose
+        # gradient goes back to the previous stage.
+        micro = args.batch_size // args.microbatches
+        width_in = IN_FEATURES if rank == 0 else args.hidden
+        width_out = OUT_FEATURES if rank == world_size - 1 else args.hidden
+        stage = PipelineStage(
+            stages[0], rank, world_size, device,
+            input_args=torch.empty(micro, width_in, device="meta", requires_grad=rank > 0),
+            output_args=torch.empty(micro, width_out, device="meta", requires_grad=True))
         # loss_fn runs on the last stage, once per micro-batch, and returns that
         # micro-batch's *mean* loss. Backward of M such losses adds up M mean gradients:
         # M times the gradient of the whole batch. scale_grads=True (the default, spelled
@@ -335,14 +346,23 @@ def train(args, rank, world_size, devices):
             print0(eval_line(step + 1, args.steps, val_loss))
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
 
-    # Reassemble the full model: each stage holds a slice of the full state_dict.
-    weights = {}
-    for stage_module in stages:
-        weights.update({k: v.cpu() for k, v in stage_module.state_dict().items()})
-    if world_size > 1:
-        gathered = [None] * world_size if rank == 0 else None
-        dist.gather_object(weights, gathered, dst=0)  # every rank sends its slice to rank 0
-        weights = {k: v for part in gathered for k, v in part.items()} if rank == 0 else None
+    # Reassemble the full model on rank 0: each stage holds a slice of the full state_dict.
+    if world_size == 1:
+        weights = {k: v.cpu() for stage_module in stages
+                   for k, v in stage_module.state_dict().items()}
+    elif rank == 0:
+        # Plain tensor sends, not gather_object (pickled objects: NumPy since torch 2.15):
+        # rank 0 built the full model too, so it knows every slice's names and shapes.
+        weights = {k: v.cpu() for k, v in stages[0].state_dict().items()}
+        for src in range(1, world_size):
+            for name, like in cut(model, src, world_size).state_dict().items():
+                received = torch.empty_like(like, device=devices[0])
+                dist.recv(received, src=src)
+                weights[name] = received.cpu()
+    else:
+        for tensor in stages[0].state_dict().values():  # the same order rank 0 expects
+            dist.send(tensor.contiguous(), dst=0)
+        weights = None
     return weights, final_loss, val_loss
 
 

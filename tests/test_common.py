@@ -1,5 +1,7 @@
 """common.py: the diagnostics find what this machine has and prove the ranks can talk."""
 
+import re
+
 import common
 from conftest import ok, torchrun
 
@@ -14,7 +16,10 @@ def test_environment_report_names_torch_backends_and_a_launch_command():
 def test_communication_check_verifies_an_all_reduce_and_measures_bandwidth():
     out = ok(torchrun(2, "common.py"))
     assert "all-reduce verified on 2 ranks (gloo, cpu); barrier passed" in out
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    # the table's rows: four numbers (gloo's own "[Gloo] Rank 1 is connected ..." lines of two
+    # ranks can interleave into a line that starts with a digit too)
+    rows = [line.split() for line in out.splitlines()
+            if re.fullmatch(r"\s*\d+(\s+[0-9.]+){3}\s*", line)]
     assert len(rows) == 6  # one per message size, 64 KiB .. 64 MiB
     for nbytes, us, algbw, busbw in rows:
         assert int(nbytes) > 0 and float(us) > 0 and float(algbw) > 0
