@@ -120,6 +120,21 @@ def run_in_process(script, flags, folder):
     return out.getvalue(), load_saved(path)
 
 
+def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, tol):
+    """Continue each of `checkpoints` ({ranks: path}, written at step 8 of JOB) to step 12 on
+    that many ranks, all at once. Each must say it resumed at step 8 and end within `tol` of
+    the oracle's weights after 12 uninterrupted steps."""
+    from reference import reference_train
+    resumed = launch_together([
+        torchrun_cmd(nproc, script, *JOB_FLAGS, "--steps=12", f"--checkpoint={path}",
+                     f"--save={folder / f'w{nproc}.pt'}") for nproc, path in checkpoints.items()])
+    _, expected, _ = reference_train(**dict(JOB, steps=12))
+    for nproc, result in zip(checkpoints, resumed):
+        out = ok(result)
+        assert "resumed from" in out and "at step 8" in out
+        assert max_diff(load_saved(folder / f"w{nproc}.pt"), expected) < tol
+
+
 def succeeded(run):
     """(stdout, saved weights) of a run from launch_runs, once it is known to have exited 0."""
     result, path = run

@@ -7,10 +7,9 @@ import shutil
 
 import pytest
 
-from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
-                      launch_together, load_saved, logged_losses, max_diff, needs_cuda, ok,
-                      refused_in_one_line, succeeded, summary_val_loss, torchrun, torchrun_cmd)
-from reference import reference_train
+from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
+                      assert_gpu_run_equals_oracle, launch_runs, logged_losses, max_diff,
+                      needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun)
 
 # Measured on a 2-core CPU, torch 2.13.0, max weight difference from the oracle: 1 rank 4.5e-8,
 # 2 ranks 7.5e-8, 3 ranks (uneven shards: 32 rows -> 11/11/10) 9.7e-8, 4 ranks 4.5e-8,
@@ -84,15 +83,8 @@ def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
         # what a crash in the middle of writing step 10 leaves: a folder `latest` does not name
         (tmp_path / f"c{nproc}" / "step_00000010").mkdir()
         (tmp_path / f"c{nproc}" / "step_00000010" / "__0_0.distcp").write_bytes(b"half a shard")
-    resumed = launch_together([
-        torchrun_cmd(nproc, "fsdp.py", *JOB_FLAGS, "--steps=12",
-                     f"--checkpoint={tmp_path / f'c{nproc}'}",
-                     f"--save={tmp_path / f'w{nproc}.pt'}") for nproc in (1, 3)])
-    _, expected, _ = reference_train(**dict(JOB, steps=12))
-    for nproc, result in zip((1, 3), resumed):
-        out = ok(result)
-        assert "resumed from" in out and "at step 8" in out
-        assert max_diff(load_saved(tmp_path / f"w{nproc}.pt"), expected) < TOL
+    assert_checkpoints_resume_to_the_oracle(
+        "fsdp.py", {nproc: tmp_path / f"c{nproc}" for nproc in (1, 3)}, tmp_path, TOL)
 
 
 @pytest.mark.parametrize("content, message", [
