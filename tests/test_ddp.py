@@ -91,6 +91,17 @@ def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
         "ddp.py", {nproc: tmp_path / f"c{nproc}.pt" for nproc in (1, 3)}, tmp_path, TOL)
 
 
+def test_spawn_path_equals_torchrun_path(runs):
+    assert max_diff(weights(runs, "spawn 2 ranks"), weights(runs, "torchrun 2 ranks")) == 0.0
+
+
+def test_every_layer_is_trained(runs, reference):
+    """Gradients reach every parameter: each tensor moved away from its initial value."""
+    initial, final = reference[0], weights(runs, "torchrun 2 ranks")
+    for name in final:
+        assert (final[name] - initial[name]).abs().max() > 1e-4, f"{name} did not train"
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sampler_shards_are_the_global_batch_without_duplicates(world_size):
     """Rank r's k-th batch of B/N samples, gathered over the N ranks, is exactly positions
