@@ -28,7 +28,7 @@ Launch
     # sharded checkpoints (a folder: each rank writes its shard), resumable on any number of
     # ranks; turn one into a single plain file with torch's own converter:
     torchrun --nproc_per_node=2 --max-restarts=3 fsdp.py --checkpoint ckpt
-    python -m torch.distributed.checkpoint.format_utils dcp_to_torch_save \
+    python -m torch.distributed.checkpoint.format_utils dcp_to_torch \
         ckpt/$(cat ckpt/latest) full.pt    # torch.load(...)["model"] is SimpleModel's state_dict
     # several machines: as in ddp.py (torchrun --nnodes ... --rdzv-backend=c10d ...)
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank.

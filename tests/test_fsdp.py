@@ -6,7 +6,9 @@ import re
 import shutil
 
 import pytest
+import torch
 
+from common import SimpleModel
 from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_gpu_run_equals_oracle, launch_runs, logged_losses, max_diff,
                       needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun)
@@ -61,7 +63,6 @@ def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):
 
 
 def reference_state():
-    from common import SimpleModel
     return SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).state_dict()
 
 
@@ -85,6 +86,18 @@ def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
         (tmp_path / f"c{nproc}" / "step_00000010" / "__0_0.distcp").write_bytes(b"half a shard")
     assert_checkpoints_resume_to_the_oracle(
         "fsdp.py", {nproc: tmp_path / f"c{nproc}" for nproc in (1, 3)}, tmp_path, TOL)
+
+
+def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(runs, tmp_path):
+    """What the docstring's `python -m torch.distributed.checkpoint.format_utils dcp_to_torch`
+    calls: the 2-rank run's checkpoint, merged, holds the run's final weights."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
+    dcp_to_torch_save(ckpt / (ckpt / "latest").read_text(), tmp_path / "full.pt")
+    merged = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
+    model.load_state_dict(merged, strict=True)
+    assert max_diff(model.state_dict(), succeeded(runs["torchrun 2 ranks"])[1]) == 0.0
 
 
 @pytest.mark.parametrize("content, message", [
@@ -146,7 +159,6 @@ def test_fsdp_bf16_on_gpu_trains_to_the_fp32_loss(reference):
 def test_torch_older_than_2_9_is_refused_on_cpu(as_torchrun, capsys, monkeypatch):
     """On torch 2.7 and 2.8 FSDP2 over gloo sums the gradients instead of averaging them: this
     suite measured a 1.3e-3 weight difference from the oracle there, on every rank count."""
-    import torch
     monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
     as_torchrun(2)
     refused_in_one_line("fsdp", ["--device=cpu"], "FSDP on CPU (gloo) needs torch 2.9 or later",
