@@ -74,6 +74,8 @@ def make_dataset(split="train"):
     neither 3, 6, 7 nor 8, so those world sizes make DistributedSampler pad (see ddp.py).
     Built from its own generator, so it neither reads nor disturbs the global RNG.
     """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     g = torch.Generator().manual_seed(DATA_SEED)
     x = torch.randn(DATASET_SIZE, IN_FEATURES, generator=g)
     w1 = torch.randn(IN_FEATURES, 64, generator=g) / IN_FEATURES**0.5
