@@ -4,36 +4,35 @@ What it teaches
     torch.autocast runs the matrix multiplications of forward (and so of backward) in a 16-bit
     type, which tensor cores execute many times faster than fp32, while the weights, the
     optimizer state and the precision-sensitive ops stay in fp32. fp16 also needs a
-    GradScaler: its narrow exponent range turns small gradients into zeros, so the loss is
+    GradScaler: its narrow exponent range flushes tiny gradients to zero, so the loss is
     multiplied by a large factor before backward and the gradients divided by it before the
     optimizer sees them. bf16 has fp32's exponent range and needs no scaler.
 
 When to use it
-    Any training on a GPU with tensor cores (V100 and later: fp16; A100/H100 and later: bf16,
-    the default where supported). Often 2-3x faster and half the activation memory.
+    Any training on a GPU with tensor cores (V100 and T4: fp16; A100/H100 and later: bf16, the
+    default where the GPU runs it natively). Often 2-3x faster and half the activation memory.
 When not
     On a CPU it mostly shows the API: bf16 matmuls are rarely faster there. At tiny model sizes
     (like the default here) kernel launches, not math, set the pace and AMP gains nothing.
     Where you need bit-for-bit fp32 results, use --dtype fp32 (autocast off: the baseline).
 
 Launch
-    python amp.py                     # bf16 where supported (and on CPU), else fp16
+    python amp.py                     # bf16 on CPUs and on GPUs of compute capability 8.0+
+                                      # (A100, H100, RTX 30xx+), else fp16 (V100, T4)
     python amp.py --dtype fp16        # with GradScaler
-    python amp.py --dtype fp32        # autocast off: exactly the single-device baseline
+    python amp.py --dtype fp32        # autocast off: exactly single.py
     python amp.py --clip 1.0          # clip the gradient norm (off by default, like the
                                       # other scripts, so the same flags give the same numbers)
     Smallest hardware: any CPU (bf16 and fp16 autocast both run there), or one GPU.
 
-What mixed precision adds
-    diff dataparallel.py amp.py
+What mixed precision adds to one device
+    diff single.py amp.py
 
 Docs
     https://pytorch.org/docs/stable/amp.html
     https://pytorch.org/docs/stable/notes/amp_examples.html
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
 """
-
-
 
 import argparse
 import itertools
@@ -70,11 +69,15 @@ def parse_args(argv=None):
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
     hardware.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                          help="autocast type; auto: bf16 where supported (CPU too), else fp16")
+                          help="autocast type; auto: bf16 on CPUs and on GPUs of compute "
+                               "capability 8.0 or more, else fp16")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
     output.add_argument("--checkpoint", metavar="PATH",
-                        help="resume from PATH if it exists; write model, optimizer, scaler there")
+                        help="resume from PATH if it exists; write model, optimizer, scaler, "
+                             "step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -100,15 +103,16 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", 0)
-        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so --dtype fp32 is the
-        # true baseline. "high" would make fp32 matmuls use TF32 tensor cores (~1e-3 error).
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
     dtype = args.dtype
     if dtype == "auto":
-        # bf16 on Ampere (A100) and later, and on CPUs; fp16 on older GPUs (V100, T4).
-        bf16_ok = device.type == "cpu" or torch.cuda.is_bf16_supported()
+        # bf16 where it runs on tensor cores: compute capability 8.0 (A100) and later, and
+        # CPUs. Not torch.cuda.is_bf16_supported(): by default it also says yes on V100 and T4,
+        # which only emulate bf16 (slowly), where fp16 + GradScaler is the fast choice.
+        bf16_ok = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 8
         dtype = "bf16" if bf16_ok else "fp16"
     print(f"amp: dtype {dtype} | device {device.type} | torch {torch.__version__}", flush=True)
     return device, dtype
@@ -160,28 +164,31 @@ def train(args, device, dtype):
     """Train; return the model, the final loss and the final validation loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
-    state = load_checkpoint(args, model, device) if args.checkpoint else None
+    state = load_checkpoint(args, model, dtype) if args.checkpoint else None
     # The weights stay fp32 ("master weights"): autocast casts them to 16 bits on the fly
     # inside each op, so the optimizer's small updates are not rounded away.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- AMP: a GradScaler, for fp16 only ---
-    # fp16's smallest normal number is 6e-5 and its exponent range 5 bits: gradients of a
-    # loss like ours underflow to 0. bf16 has fp32's 8 exponent bits (it gives up mantissa
-    # instead), so nothing underflows and no scaler is needed. Disabled, the scaler is a no-op.
+    # fp16 has 5 exponent bits: below 6e-5 its numbers lose precision, and anything under
+    # 6e-8 becomes 0. Gradients of deep or large models fall that low (measured on this
+    # small model without a scaler: none smaller than 6.0e-8, where fp32's go down to 6e-11,
+    # yet the share of exactly-zero gradients, the dead ReLUs', is the same 1% as in fp32).
+    # Scaling the loss lifts them into range. bf16 has fp32's 8 exponent bits (it gives up
+    # mantissa instead): nothing underflows, no scaler. Disabled, the scaler is a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[dtype]
     # --- end AMP ---
     start_step = 0
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
         # The scale it had learned: without it a resumed fp16 run starts again at 65536 and
         # skips its first steps backing off to where it already was.
         scaler.load_state_dict(state["scaler"])
         start_step = state["step"]
-        print0(f"amp: resumed from {args.checkpoint} at step {start_step}")
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
-    # Each epoch's order is the permutation drawn from seed + epoch, the same one
+    # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
     sampler = RandomSampler(dataset, generator=generator)
@@ -195,7 +202,7 @@ def train(args, device, dtype):
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0 or step == start_step:
             generator.manual_seed(args.seed + epoch)
-            # A resumed run skips the part of the epoch it had already trained on.
+            # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.accum_steps):
@@ -227,33 +234,40 @@ def train(args, device, dtype):
             with meter.paused():
                 val_loss = evaluate(model, val_set, args.batch_size, device, autocast_dtype)
             print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            save_checkpoint(args, model, optimizer, scaler, dtype, step + 1)
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
-    if args.checkpoint:
-        save_checkpoint(args, model, optimizer, scaler, args.steps)
     return model, final_loss, val_loss
 
 
-def save_checkpoint(args, model, optimizer, scaler, step):
-    """Everything a resumed run needs to continue as if it had never stopped."""
+def save_checkpoint(args, model, optimizer, scaler, dtype, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
     # The scaler's state (its current scale and growth tracker) belongs next to the model
-    # and the optimizer: fp16 training is not resumable without it.
+    # and the optimizer: fp16 training is not resumable without it. The dtype says which.
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scaler": scaler.state_dict(), "step": step,
-                 "batch_size": args.batch_size, "seed": args.seed}, args.checkpoint)
+                 "scaler": scaler.state_dict(), "dtype": dtype,
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model, device):
-    """Read --checkpoint if it exists (None if not); a bad one stops with one line."""
+def load_checkpoint(args, model, dtype):
+    """Read --checkpoint into the model if it exists (return its state, or None if there is
+    none); a bad one stops with one line and is left as it was."""
     if not os.path.exists(args.checkpoint):
         return None
 
     def refuse(why):
-        fail(f"amp.py: error: --checkpoint {args.checkpoint}: {why}")
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
-        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         if "size mismatch" in str(e) or "Missing key" in str(e):
@@ -262,9 +276,13 @@ def load_checkpoint(args, model, device):
     except Exception as e:  # truncated, not a torch file, not a dict...
         refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if state[key] != getattr(args, key):
-            refuse(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {state[key]}")
+        if state.get(key) != getattr(args, key):
+            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {state.get(key)}")
+    if state.get("dtype") != dtype:
+        # A bf16 or fp32 run keeps no scaler state, which fp16 needs to go on.
+        refuse(f"written with --dtype {state.get('dtype')}, not {dtype}; "
+               f"use --dtype {state.get('dtype')}")
     return state
 
 
@@ -273,8 +291,8 @@ def main(argv=None):
     device, dtype = setup(args)
     model, _, _ = train(args, device, dtype)
     if args.save:
-        # fp32 weights: autocast never changed them, so this loads anywhere like any other.
-        save_atomic(model.state_dict(), args.save)
+        # fp32 weights: autocast never changed them, so they load like any other script's.
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
 
 
 if __name__ == "__main__":

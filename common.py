@@ -129,13 +129,28 @@ def print0(*args):
         print(*args, flush=True)
 
 
+def to_cpu(obj):
+    """A copy of `obj` (tensors, possibly inside dicts, lists and tuples) with every tensor on
+    the CPU. A file of CUDA tensors does not load on a machine without a GPU unless the reader
+    knows to pass map_location ("Attempting to deserialize object on a CUDA device")."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def save_atomic(obj, path):
-    """torch.save that never leaves a half-written file at `path`.
+    """torch.save of CPU copies of `obj` that never leaves a half-written file at `path`.
 
     Write a temporary file in the same folder, flush it to disk, then os.replace() it over
     `path` in one step: a crash at any moment leaves either the old file or the new one.
-    (Same folder, because os.replace is atomic only within one filesystem.)
+    (Same folder, because os.replace is atomic only within one filesystem.) The tensors go to
+    the CPU first, so weights trained on a GPU load on a laptop with a plain torch.load.
     """
+    obj = to_cpu(obj)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pt")
     try:
@@ -156,21 +171,23 @@ def num_params(model):
 class Meter:
     """Throughput of the training loop, timed the way a benchmark must be.
 
-    CUDA kernels run asynchronously, so the clock is read only after `synchronize()`;
+    CUDA kernels run asynchronously, so the clock is read only after synchronizing every GPU
+    this process drives (`device`: one device, or a list of them, as model parallelism has);
     the first `warmup` steps (allocator, kernel selection, first communication) are not timed,
     unless the run is too short to have any other steps.
     """
 
     def __init__(self, device, warmup=3):
-        self.device = device
+        devices = device if isinstance(device, (list, tuple)) else [device]
+        self.gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
         self.warmup = warmup
         self.steps = self.samples = self.warm_samples = 0
         self.start = self.last = self._now()
         self.warm_start = None
 
     def _now(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        for gpu in self.gpus:
+            torch.cuda.synchronize(gpu)
         return time.perf_counter()
 
     @contextlib.contextmanager
@@ -206,14 +223,15 @@ class Meter:
         else:
             timed, samples, elapsed = self.steps, self.samples, self.last - self.start
         rate = samples / max(elapsed, 1e-9)
-        if self.device.type == "cuda":
-            peak = f"{torch.cuda.max_memory_allocated(self.device) / 2**20:.1f} MiB (CUDA)"
+        if self.gpus:  # summed over the GPUs this process drives
+            peak = sum(torch.cuda.max_memory_allocated(gpu) for gpu in self.gpus)
+            peak = f"{peak / 2**20:.1f} MiB (CUDA)"
         else:
             # ru_maxrss is in KiB on Linux: the whole process, Python and torch included.
             peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB (RSS)"
         line = (f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
                 f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}")
-        if self.device.type == "cuda":
+        if self.gpus:
             # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
             line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"
         if state_bytes is not None:
@@ -235,6 +253,7 @@ def eval_line(step, steps, val_loss):
 # Diagnostics: run this file, not import it.
 #   python common.py                          what this machine has, and the launch that fits
 #   torchrun --nproc_per_node=2 common.py     can the ranks talk, and how fast (all-reduce)
+#   torchrun --nproc_per_node=2 common.py --device cpu    the same over gloo, GPUs or not
 # ---------------------------------------------------------------------------------------------
 
 
@@ -271,12 +290,14 @@ def environment_report():
     return "\n".join(lines)
 
 
-def communication_check(timeout_s=60, sizes=tuple(4**k for k in range(7, 13)), iters=10):
-    """Under torchrun: verify an all-reduce on every rank, then measure its bandwidth."""
+def communication_check(device="auto", timeout_s=60, sizes=tuple(4**k for k in range(7, 13)),
+                        iters=10):
+    """Under torchrun: verify an all-reduce on every rank, then measure its bandwidth.
+    device "auto": NCCL on GPUs when every rank has one of its own, else gloo on the CPU."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    use_nccl = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= \
-        torch.cuda.device_count()
+    use_nccl = device != "cpu" and torch.cuda.is_available() and \
+        int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
     device = torch.device("cuda", local_rank) if use_nccl else torch.device("cpu")
     if use_nccl:
         torch.cuda.set_device(device)
@@ -313,7 +334,11 @@ def communication_check(timeout_s=60, sizes=tuple(4**k for k in range(7, 13)), i
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="diagnostics (see the comment above)")
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                        help="under torchrun: cpu checks gloo on the CPU even where GPUs are")
+    args = parser.parse_args()
     if "RANK" in os.environ:
-        communication_check()
+        communication_check(args.device)
     else:
         print(environment_report())

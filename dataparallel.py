@@ -14,12 +14,15 @@ When not
     serializes the threads), GPU 0 gathers outputs and holds the optimizer (so it runs out of
     memory first and idles the others), and the weights are copied again every step. It cannot
     span machines. PyTorch's docs recommend DistributedDataParallel even on one machine: see
-    ddp.py, and `diff dataparallel.py ddp.py` for exactly what changes.
+    ddp.py, and `diff single.py ddp.py` for what that takes.
 
 Launch
     python dataparallel.py                   # all visible GPUs, or the CPU if there are none
     CUDA_VISIBLE_DEVICES=0,1 python dataparallel.py
     Smallest hardware: any CPU (DataParallel then just calls the model) or one GPU.
+
+What DataParallel adds to one device
+    diff single.py dataparallel.py
 
 Docs
     https://pytorch.org/docs/stable/generated/torch.nn.DataParallel.html
@@ -28,8 +31,8 @@ Docs
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
 """
 
-
 import argparse
+import itertools
 import os
 
 import torch
@@ -38,7 +41,7 @@ from torch.nn import DataParallel
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
-from common import num_params, positive, print0, save_atomic, seed_everything
+from common import fail, num_params, positive, print0, save_atomic, seed_everything
 
 
 def parse_args(argv=None):
@@ -62,6 +65,10 @@ def parse_args(argv=None):
                           help="auto: CUDA if available, else CPU")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="resume from PATH if it exists; write model, optimizer, step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -73,9 +80,10 @@ def parse_args(argv=None):
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
-    if args.save and not os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK):
-        parser.error(f"--save {args.save}: its folder does not exist or is not writable; "
-                     "create it first")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
     return args
 
 
@@ -86,15 +94,13 @@ def setup(args):
         # DataParallel keeps the real weights, the optimizer and the gathered outputs on the
         # first visible GPU; the other GPUs only get copies for the length of one step.
         device = torch.device("cuda", 0)
-        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
-        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
-        print(f"dataparallel: {torch.cuda.device_count()} GPU(s) | device cuda | "
-              f"torch {torch.__version__}", flush=True)
     else:
         device = torch.device("cpu")
-        print(f"dataparallel: no GPU, so DataParallel simply calls the model on the CPU | "
-              f"torch {torch.__version__}", flush=True)
+    print(f"dataparallel: {torch.cuda.device_count() if use_cuda else 'no'} GPU(s)"
+          f"{'' if use_cuda else ', so DataParallel simply calls the model on the CPU'} | "
+          f"device {device.type} | torch {torch.__version__}", flush=True)
     return device
 
 
@@ -118,6 +124,7 @@ def train(args, device):
     """Train; return the unwrapped model, the final loss and the final validation loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DataParallel: wrap the model ---
     # Every forward: replicate the weights onto each visible GPU, scatter the batch along
     # dim 0 (B/G samples each), run the G forwards in threads, gather the outputs on GPU 0.
@@ -128,11 +135,15 @@ def train(args, device):
     dp_model = DataParallel(model)  # device_ids: every visible GPU; without GPUs, a no-op
     # --- end DataParallel ---
     optimizer = torch.optim.Adam(dp_model.parameters(), lr=args.lr)
+    start_step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+        start_step = state["step"]
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
-    # One process sees the whole batch. Each epoch's order is the permutation drawn from
-    # seed + epoch, the same one DistributedSampler draws in ddp.py, so both scripts train
-    # on the same batches and end with the same weights.
+    # Each epoch's order is the permutation drawn from seed + epoch: the same one
+    # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
     sampler = RandomSampler(dataset, generator=generator)
     micro_batch = args.batch_size // args.accum_steps
@@ -140,15 +151,16 @@ def train(args, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
-    for step in range(args.steps):
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
-        if index == 0:
+        if index == 0 or step == start_step:
             generator.manual_seed(args.seed + epoch)
-            micro_batches = iter(loader)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
-            # DataParallel scatters from wherever the batch is; GPU 0 saves one copy.
             x, y = x.to(device), y.to(device)
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
@@ -166,8 +178,49 @@ def train(args, device):
             with meter.paused():
                 val_loss = evaluate(dp_model, val_set, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            save_checkpoint(args, model, optimizer, step + 1)
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
     return model, final_loss, val_loss
+
+
+def save_checkpoint(args, model, optimizer, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model):
+    """Read --checkpoint into the model if it exists (return its state, or None if there is
+    none); a bad one stops with one line and is left as it was."""
+    if not os.path.exists(args.checkpoint):
+        return None
+
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        if "size mismatch" in str(e) or "Missing key" in str(e):
+            refuse("saved with another model size; use its --hidden and --blocks")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    except Exception as e:  # truncated, not a torch file, not a dict...
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if state.get(key) != getattr(args, key):
+            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {state.get(key)}")
+    return state
 
 
 def main(argv=None):
@@ -177,7 +230,7 @@ def main(argv=None):
     if args.save:
         # The unwrapped model: DataParallel's own state_dict names every weight
         # "module.<name>", and SimpleModel.load_state_dict(strict=True) would refuse those keys.
-        save_atomic(model.state_dict(), args.save)
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ When to use it
     Whenever the model fits on one device and you have more than one device: one machine or
     many, GPUs or CPUs. PyTorch recommends it over DataParallel even on a single machine.
 When not
-    The model (plus optimizer state) does not fit on one device: shard it (FSDP) or cut it into
-    stages (pipeline.py).
+    The model (plus optimizer state) does not fit on one device: shard it (fsdp.py) or cut it
+    into stages (pipeline.py).
 
 Launch
     python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
@@ -22,17 +22,20 @@ Launch
     # survive a crash: torchrun restarts the group, which resumes from the checkpoint
     torchrun --nproc_per_node=2 --max-restarts=3 ddp.py --checkpoint ckpt.pt
     # several machines, elastic (run the same line on each; 1 to 4 machines may take part,
-    # and ranks are given out in order of arrival, whatever --node-rank says):
+    # and ranks are given out in order of arrival, whatever --node-rank says). The world size
+    # is 8, 16, 24 or 32: --batch-size 96 is a multiple of each (64 is not of 24, and every
+    # refusal would cost a restart):
     torchrun --nnodes=1:4 --nproc_per_node=8 --max-restarts=3 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp.py --checkpoint /shared/ckpt.pt
+        --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp.py --batch-size 96 \
+        --checkpoint /shared/ckpt.pt
     # several machines, static (ranks follow --node-rank: 0 on HOST, 1 on the other):
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --master-addr=HOST \
         --master-port=29500 ddp.py
     The rendezvous store has no authentication: use it on a trusted network only.
     Smallest hardware: any laptop CPU (2 processes over gloo).
 
-What changes from DataParallel
-    diff dataparallel.py ddp.py
+What data parallelism adds to one device
+    diff single.py ddp.py
 
 Docs
     https://pytorch.org/docs/stable/notes/ddp.html
@@ -81,7 +84,8 @@ def parse_args(argv=None):
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL when every rank has a GPU of its own, else gloo")
     hardware.add_argument("--nproc", type=positive(int), default=None,
-                          help="workers to start without torchrun (default: GPUs, or 2 on CPU)")
+                          help="workers to start without torchrun (default: one per GPU, or 2 "
+                               "on a CPU)")
     hardware.add_argument("--timeout", type=positive(float), default=60.0,
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
@@ -100,7 +104,15 @@ def parse_args(argv=None):
         world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     else:
-        args.nproc = args.nproc or gpus or 2
+        if args.nproc is None:
+            # One worker per GPU (2 on a CPU), or as many as divide the batch: on 6 GPUs
+            # --batch-size 64 runs on 4 (16 samples each); --batch-size 96 would use all 6.
+            args.nproc = max(n for n in range(1, (gpus or 2) + 1)
+                             if args.batch_size % (n * args.accum_steps) == 0)
+            if args.nproc < gpus:
+                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
+                      f"that divide --batch-size {args.batch_size}; pass a multiple of "
+                      f"{gpus * args.accum_steps} to use all", flush=True)
         world_size = local_world = args.nproc
     if args.backend == "nccl" and local_world > gpus:
         # Said here in one line; NCCL itself would fail later with "Duplicate GPU detected".
@@ -134,23 +146,24 @@ def setup(args):
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
         torch.cuda.set_device(device)
-        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
-        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if use_cuda and local_world <= torch.cuda.device_count() else "gloo"
+    if use_cuda and backend == "gloo":
+        # More ranks than GPUs: gloo ranks share them through host copies. Fine on a
+        # workstation; refused on GPUs in EXCLUSIVE_PROCESS mode, common on clusters, and
+        # gloo's CUDA support is retired upstream (docs/traps.md#gloo-on-gpus).
+        print0(f"ddp: {local_world} ranks share {torch.cuda.device_count()} GPU(s) over gloo: "
+               "a test setup, not a fast one")
     timeout = datetime.timedelta(seconds=args.timeout)
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Under torchrun the launcher hosts the key-value store the ranks meet in, and it
-        # keeps that store across restarts. After a restart (--max-restarts) the new workers
-        # would find the addresses the dead attempt left under the same keys and fail with
-        # "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt gives
-        # every attempt keys of its own. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
-        # own environment also avoids it; set inside this script it comes too late.)
+        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
+        # group reads the dead attempt's addresses (docs/traps.md#restarts).
         store = dist.PrefixStore(
             f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
             dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -172,11 +185,9 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     """
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- DDP: evaluate a shard on each rank, then add the sums up ---
-    # Without drop_last, DistributedSampler gives every rank the same number of samples by
-    # padding: 1000 samples on 3 ranks become 1002 indices, the first two samples appended
-    # again at the end of the list before it is dealt out (r, r+N, r+2N, ...). So the
-    # duplicates are the last entries of some ranks' shards, and a rank's real samples are its
-    # first len(range(rank, 1000, N)): 334, 333 and 333 here.
+    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
+    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
+    # (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
@@ -192,7 +203,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
     # shard like a 334-sample one and count the duplicates, and change with the number of
-    # ranks (pytorch/pytorch#25162). gloo has no AVG anyway.
+    # ranks (pytorch/pytorch#25162).
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     # --- end DDP ---
     model.train()
@@ -206,23 +217,23 @@ def train(args, rank, world_size, device):
     # broadcast rank 0's weights anyway; seeding keeps anything else you build in step too.)
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
-    state = load_checkpoint(args, model, device) if args.checkpoint else None
+    state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DDP: wrap the model ---
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
     # each bucket of gradients (25 MB by default: bucket_cap_mb) as soon as backward has
     # produced it, so communication overlaps the rest of backward. gradient_as_bucket_view
     # makes each .grad a view into its bucket instead of a copy: one memory copy less each
     # way, and one gradient's worth of memory saved (13% more samples/s on a 2-core CPU, see
-    # README). Don't call .detach_() on such a .grad; zero_grad(set_to_none=True) is fine.
+    # docs/performance.md). Don't call .detach_() on such a .grad; zero_grad() is fine.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end DDP ---
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
     start_step = 0
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
         start_step = state["step"]
-        print0(f"ddp: resumed from {args.checkpoint} at step {start_step}")
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- DDP: shard the data ---
@@ -271,8 +282,8 @@ def train(args, rank, world_size, device):
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             # A collective, so every rank must reach it at the same steps: the condition
             # depends only on the step. Printing is rank 0's job; averaging is everybody's.
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
-            final_loss = loss_sum.item() / world_size
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused():  # every rank, at the same steps: it is a collective
@@ -280,38 +291,40 @@ def train(args, rank, world_size, device):
                                     args.batch_size // world_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            if rank == 0:  # the replicas are identical: one writer is enough
+            # The replicas are identical: one writer is enough. Nothing in the file depends on
+            # the world size, so a run saved on 2 ranks resumes on 1 or 3 (what lets elastic
+            # torchrun go on with the machines it still has).
+            if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
     return model, final_loss, val_loss
 
 
 def save_checkpoint(args, model, optimizer, step):
-    """Everything needed to continue exactly where this run is, on any number of ranks.
-
-    Nothing in it depends on the world size: DDP keeps every replica's weights and Adam state
-    identical, and the data position is a function of (seed, step, global batch) only, since
-    DistributedSampler cuts the same permutation for any N. So a run saved on 2 ranks resumes
-    on 1 or 3 (at the same --batch-size): what lets torchrun's elastic --nnodes=MIN:MAX go on
-    with the machines it still has.
-    """
-    save_atomic({"model": model.state_dict(),  # unwrapped: no "module." prefix
-                 "optimizer": optimizer.state_dict(), "step": step,
-                 "batch_size": args.batch_size, "seed": args.seed}, args.checkpoint)
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model, device):
-    """Every rank reads --checkpoint if it exists (None if not); a bad one stops with one line."""
+def load_checkpoint(args, model):
+    """Read --checkpoint into the model if it exists (return its state, or None if there is
+    none); a bad one stops with one line and is left as it was."""
     if not os.path.exists(args.checkpoint):
         return None
 
-    def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
-        fail(f"ddp.py: error: --checkpoint {args.checkpoint}: {why}")
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
-        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         if "size mismatch" in str(e) or "Missing key" in str(e):
@@ -320,9 +333,9 @@ def load_checkpoint(args, model, device):
     except Exception as e:  # truncated, not a torch file, not a dict...
         refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if state[key] != getattr(args, key):
-            refuse(f"written with {flag} {state[key]}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {state[key]}")
+        if state.get(key) != getattr(args, key):
+            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {state.get(key)}")
     return state
 
 
@@ -333,24 +346,15 @@ def run(args):
     if args.save and rank == 0:
         # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
         # SimpleModel.load_state_dict(strict=True) would refuse those keys.
-        save_atomic(model.state_dict(), args.save)
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
     # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
     # collective that we will never join, and tearing the group down under it can deadlock
     # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
     gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()
     if gloo:
-        # torch 2.13 trap: without this pause a worker that trained correctly can die at exit
-        # with "terminate called without an active exception" (SIGABRT; torchrun reports a
-        # failure). gloo's worker threads outlive destroy_process_group (DDP keeps the group
-        # alive), and one of them may still have to drop its reference to the last tensor we
-        # all-reduced. That tensor belongs to Python, so dropping it takes the GIL, which this
-        # thread holds until the interpreter is already finalizing; a thread that asks for the
-        # GIL then is killed, inside C++, and the process aborts (see pytorch/pytorch#179291).
-        # Sleeping hands the GIL over so the thread can finish while Python is still alive.
-        # (os._exit(0) would skip finalization altogether, and with it your atexit handlers:
-        # loggers, profilers.) Measured: 3 of 60 launches aborted on a loaded 2-core machine
-        # without it, none of 50 with it; tests/test_ddp.py launches the run 4 times in a row.
+        # Lets gloo's threads drop their last tensors while Python is alive; without it a
+        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
         time.sleep(0.2)
 
 
@@ -393,7 +397,8 @@ def main(argv=None):
             # dozen-line traceback under the message. Anything else (a crash, a signal):
             # spawn's message, which carries the worker's traceback, in place of ours.
             code = getattr(e, "exit_code", None)
-            raise SystemExit(code if code is not None and code > 0 else f"ddp.py: {e}")
+            raise SystemExit(code if code is not None and code > 0
+                             else f"{os.path.basename(__file__)}: {e}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ Launch
     # several machines: as in ddp.py (torchrun --nnodes ... --rdzv-backend=c10d ...)
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank.
 
-What changes from DDP
+What changes from replicating (DDP) to sharding
     diff ddp.py fsdp.py
 
 Docs
@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
@@ -92,7 +93,8 @@ def parse_args(argv=None):
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     hardware.add_argument("--nproc", type=positive(int), default=None,
-                          help="workers to start without torchrun (default: GPUs, or 2 on CPU)")
+                          help="workers to start without torchrun (default: one per GPU, or 2 "
+                               "on a CPU)")
     hardware.add_argument("--timeout", type=positive(float), default=60.0,
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
@@ -112,7 +114,15 @@ def parse_args(argv=None):
         world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     else:
-        args.nproc = args.nproc or gpus or 2
+        if args.nproc is None:
+            # One worker per GPU (2 on a CPU), or as many as divide the batch: on 6 GPUs
+            # --batch-size 64 runs on 4 (16 samples each); --batch-size 96 would use all 6.
+            args.nproc = max(n for n in range(1, (gpus or 2) + 1)
+                             if args.batch_size % (n * args.accum_steps) == 0)
+            if args.nproc < gpus:
+                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
+                      f"that divide --batch-size {args.batch_size}; pass a multiple of "
+                      f"{gpus * args.accum_steps} to use all", flush=True)
         world_size = local_world = args.nproc
     if use_cuda and local_world > gpus:
         # DDP's fallback (gloo ranks sharing a GPU) does not carry over: FSDP's all-gathers and
@@ -120,9 +130,8 @@ def parse_args(argv=None):
         parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): FSDP on GPUs "
                      "needs one GPU per rank; use fewer ranks or --device cpu")
     if not use_cuda and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
-        # Measured here: on torch 2.7 and 2.8, FSDP2 over gloo *sums* the gradients of the
-        # ranks instead of averaging them, silently (pytorch/pytorch#162338). Adam hides most
-        # of it (it is nearly scale-free), which is what makes it dangerous.
+        # torch 2.7 and 2.8 sum FSDP2's gradients over gloo instead of averaging them,
+        # silently (docs/torch-versions.md).
         parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or "
                      "later (older ones sum the gradients instead of averaging them); "
                      "upgrade torch, or run on GPUs")
@@ -157,8 +166,7 @@ def setup(args):
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
         torch.cuda.set_device(device)
-        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
-        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
@@ -166,12 +174,8 @@ def setup(args):
     timeout = datetime.timedelta(seconds=args.timeout)
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Under torchrun the launcher hosts the key-value store the ranks meet in, and it
-        # keeps that store across restarts. After a restart (--max-restarts) the new workers
-        # would find the addresses the dead attempt left under the same keys and fail with
-        # "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt gives
-        # every attempt keys of its own. (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
-        # own environment also avoids it; set inside this script it comes too late.)
+        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
+        # group reads the dead attempt's addresses (docs/traps.md#restarts).
         store = dist.PrefixStore(
             f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
             dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -193,11 +197,9 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     """
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- FSDP: evaluate a shard on each rank, then add the sums up ---
-    # Without drop_last, DistributedSampler gives every rank the same number of samples by
-    # padding: 1000 samples on 3 ranks become 1002 indices, the first two samples appended
-    # again at the end of the list before it is dealt out (r, r+N, r+2N, ...). So the
-    # duplicates are the last entries of some ranks' shards, and a rank's real samples are its
-    # first len(range(rank, 1000, N)): 334, 333 and 333 here.
+    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
+    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
+    # (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
@@ -214,7 +216,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
     # shard like a 334-sample one and count the duplicates, and change with the number of
-    # ranks (pytorch/pytorch#25162). gloo has no AVG anyway.
+    # ranks (pytorch/pytorch#25162).
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     # The root module keeps its gathered weights after forward, expecting backward to need
     # them soon; after evaluation no backward comes, so hand the memory back.
@@ -244,15 +246,17 @@ def train(args, rank, world_size, device):
     # fails silently: the input and output layers stay plain tensors whose gradients nobody
     # averages, and the ranks drift apart (input.weight 0.15 apart after 12 Adam steps on
     # 2 ranks, measured on torch 2.13).
+    # The ranks the shards are spread over, on the device the tensors live on. Without mesh=,
+    # fully_shard builds one on the machine's accelerator, whatever --device says: with a GPU
+    # visible, `--device cpu` would try to put every rank on a GPU ("invalid device ordinal").
+    mesh = init_device_mesh(device.type, (world_size,))
     for block in model.blocks.values():
         # The knob that trades memory for speed: reshard_after_forward=False keeps each
         # block's gathered weights from its forward until its backward, one all-gather less
         # per step, at the memory of the whole unsharded model (as DDP holds it).
-        fully_shard(block, mp_policy=mp_policy)
-    # The whole model's output goes back to fp32, so the loss is computed in fp32 (torch 2.7
-    # and 2.8 fail in backward on a bf16 output against fp32 targets: "Found dtype Float but
-    # expected BFloat16").
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    # The whole model's output goes back to fp32, so the loss is computed in fp32.
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32))
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
@@ -321,8 +325,8 @@ def train(args, rank, world_size, device):
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             # A collective, so every rank must reach it at the same steps: the condition
             # depends only on the step. Printing is rank 0's job; averaging is everybody's.
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)  # gloo has no AVG
-            final_loss = loss_sum.item() / world_size
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused():  # every rank, at the same steps: it is a collective
@@ -391,7 +395,7 @@ def load_checkpoint(args, model, optimizer):
     A bad or mismatched checkpoint stops every rank with one line and is left as it is.
     """
     def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
-        fail(f"fsdp.py: error: --checkpoint {args.checkpoint}: {why}")
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
     if not os.path.exists(args.checkpoint):
         return 0
@@ -428,7 +432,7 @@ def load_checkpoint(args, model, optimizer):
         refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    print0(f"fsdp: resumed from {folder} at step {meta['step']}")
+    print0(f"resumed from {folder} at step {meta['step']}")
     return meta["step"]
 
 
@@ -452,17 +456,8 @@ def run(args):
     gloo = dist.get_backend() == "gloo"
     dist.destroy_process_group()
     if gloo:
-        # torch 2.13 trap: without this pause a worker that trained correctly can die at exit
-        # with "terminate called without an active exception" (SIGABRT; torchrun reports a
-        # failure). gloo's worker threads outlive destroy_process_group (FSDP keeps the group
-        # alive), and one of them may still have to drop its reference to the last tensor we
-        # all-reduced. That tensor belongs to Python, so dropping it takes the GIL, which this
-        # thread holds until the interpreter is already finalizing; a thread that asks for the
-        # GIL then is killed, inside C++, and the process aborts (see pytorch/pytorch#179291).
-        # Sleeping hands the GIL over so the thread can finish while Python is still alive.
-        # (os._exit(0) would skip finalization altogether, and with it your atexit handlers:
-        # loggers, profilers.) Measured: 3 of 60 launches aborted on a loaded 2-core machine
-        # without it, none of 50 with it (FSDP2: 3 of 60 without, 0 of 50 with).
+        # Lets gloo's threads drop their last tensors while Python is alive; without it a
+        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
         time.sleep(0.2)
 
 
@@ -505,7 +500,8 @@ def main(argv=None):
             # dozen-line traceback under the message. Anything else (a crash, a signal):
             # spawn's message, which carries the worker's traceback, in place of ours.
             code = getattr(e, "exit_code", None)
-            raise SystemExit(code if code is not None and code > 0 else f"fsdp.py: {e}")
+            raise SystemExit(code if code is not None and code > 0
+                             else f"{os.path.basename(__file__)}: {e}")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,9 @@ def parse_args(argv=None):
             parser.error(f"--schedule 1f1b needs --microbatches >= stages ({stages}); "
                          f"use --microbatches {stages} or more")
     else:
-        stages = args.stages = args.stages or max(gpus, 2)
+        # One stage per GPU (at least 2, to show the cut), but never more than the blocks:
+        # 8 GPUs and --blocks 4 make 4 stages; pass --blocks 8 to use all 8.
+        stages = args.stages = args.stages or min(max(gpus, 2), args.blocks)
     if stages > args.blocks:
         # Every stage gets at least one block (input layer on the first, output on the last).
         parser.error(f"{stages} stages but --blocks {args.blocks}: every stage needs a block; "
@@ -154,8 +156,7 @@ def setup(args):
     """Return this process's rank, the number of ranks, and the device of each local stage."""
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        # fp32 means fp32: keep TF32 off (PyTorch's default for matmuls) so results match
-        # the CPU to ~1e-6. "high" would trade ~1e-3 relative error for tensor-core speed.
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     if "RANK" not in os.environ:
         # Model parallelism: this one process drives every stage.
@@ -266,10 +267,9 @@ def train(args, rank, world_size, devices):
         stages = [cut(model, rank, world_size).to(device)]
         # PipelineStage knows its neighbours by stage index (rank - 1 and rank + 1). Left to
         # itself it would infer the activation shapes from the first micro-batch, sending them
-        # between stages as pickled objects (which need NumPy since torch 2.15: "RuntimeError:
-        # Numpy is not available"). Example input and output of one micro-batch (on "meta":
-        # shapes only, no memory) skip that. An input that requires grad is one whose
-        # gradient goes back to the previous stage.
+        # between stages as pickled objects (docs/torch-versions.md: NumPy). Example input and
+        # output of one micro-batch (on "meta": shapes only, no memory) skip that. An input
+        # that requires grad is one whose gradient goes back to the previous stage.
         micro = args.batch_size // args.microbatches
         width_in = IN_FEATURES if rank == 0 else args.hidden
         width_out = OUT_FEATURES if rank == world_size - 1 else args.hidden
@@ -297,7 +297,7 @@ def train(args, rank, world_size, devices):
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     steps_per_epoch = len(loader)
 
-    meter = Meter(devices[-1])
+    meter = Meter(devices)  # every stage's device: the clock waits for all of them
     for step in range(args.steps):
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0:
@@ -351,8 +351,8 @@ def train(args, rank, world_size, devices):
         weights = {k: v.cpu() for stage_module in stages
                    for k, v in stage_module.state_dict().items()}
     elif rank == 0:
-        # Plain tensor sends, not gather_object (pickled objects: NumPy since torch 2.15):
-        # rank 0 built the full model too, so it knows every slice's names and shapes.
+        # Plain tensor sends, not gather_object (pickled objects): rank 0 built the full
+        # model too, so it knows every slice's names and shapes.
         weights = {k: v.cpu() for k, v in stages[0].state_dict().items()}
         for src in range(1, world_size):
             for name, like in cut(model, src, world_size).state_dict().items():
@@ -372,7 +372,7 @@ def main(argv=None):
     weights, _, _ = train(args, rank, world_size, devices)
     if args.save and rank == 0:
         # The same keys as SimpleModel's own state_dict: it loads with strict=True.
-        save_atomic(weights, args.save)
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
     if world_size > 1:
         # A clean exit only: after an error we never get here, and the exception's non-zero
         # exit lets torchrun end the other stages (tearing a group down under a peer that is
@@ -380,8 +380,8 @@ def main(argv=None):
         gloo = dist.get_backend() == "gloo"
         dist.destroy_process_group()
         if gloo:
-            # torch 2.13: let gloo's threads release the last tensors we sent while Python
-            # is still alive, or the process may abort at exit (SIGABRT); see ddp.py's run().
+            # Lets gloo's threads drop their last tensors while Python is alive; without it a
+            # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
             time.sleep(0.2)
 
 

@@ -24,11 +24,15 @@ from common import SimpleModel  # noqa: E402
 # A small job that still crosses two epoch boundaries (4096 // 1200 = 3 steps per epoch), with a
 # batch that 1, 2, 3, 4 and 6 ranks (and 2 ranks x 2 or 3 micro-batches) all divide.
 JOB = dict(steps=8, batch_size=1200, lr=1e-2, seed=3, hidden=32, blocks=3)
-JOB_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()]
+# Every test names its device: on a machine with GPUs, "auto" would move a CPU test there.
+JOB_FLAGS = [*(f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()), "--device=cpu"]
+CUDA_JOB_FLAGS = [*JOB_FLAGS[:-1], "--device=cuda"]
 
-# GPU kernels add up in other orders than the CPU's, so an fp32 run on a GPU (TF32 off) should
-# differ from the CPU oracle by ~1e-7, as another rank count does. Not yet measured on a GPU:
-# none was available. 1e-5 leaves room and still catches a real mistake (1e-3 or more).
+# One rule: every run is compared with the oracle, which runs on the CPU. CPU runs are held to
+# each test file's TOL (1e-6: another summation order moves fp32's last bits, ~1e-7). GPU runs
+# (TF32 off) are held to GPU_TOL: cuBLAS sums in yet other orders and fuses multiply-adds, so
+# they should differ by ~1e-7 too, but no GPU has run this suite yet; 1e-5 leaves room and still
+# catches a real mistake (1e-3 or more). Measure it on a GPU, then tighten it.
 GPU_TOL = 1e-5
 
 # The validation loss is printed with 6 decimals (rounding: up to 5e-7); computed in float32
@@ -263,9 +267,10 @@ def free_port():
 
 def refused_in_one_line(script, flags, message, capsys):
     """parse_args of `script` (imported, not launched) exits 2 with exactly one error line,
-    which contains `message`. Bad flags are refused before any process or group starts."""
+    which contains `message`. Bad flags are refused before any process or group starts.
+    On the CPU unless `flags` names another --device (the later flag wins)."""
     with pytest.raises(SystemExit) as exit_:
-        importlib.import_module(script).parse_args(flags)
+        importlib.import_module(script).parse_args(["--device=cpu", *flags])
     assert exit_.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors

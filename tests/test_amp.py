@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import IN_FEATURES, SimpleModel
-from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
+from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
                       logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
                       summary_val_loss)
 from reference import reference_train
@@ -117,14 +117,26 @@ def test_fp16_checkpoint_resumes_with_its_scaler_to_the_uninterrupted_weights(tm
     state = torch.load(ckpt, weights_only=True)
     assert state["step"] == 3 and state["scaler"]["scale"] > 0
     amp.main([*flags, f"--checkpoint={ckpt}", f"--save={tmp_path / 'resumed.pt'}"])
-    assert "amp: resumed from" in capsys.readouterr().out
+    assert "resumed from" in capsys.readouterr().out
     assert max_diff(load_saved(tmp_path / "resumed.pt"), load_saved(tmp_path / "straight.pt")) == 0
+
+
+def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(tmp_path):
+    """A bf16 run keeps no scaler state; resumed as fp16 it would stop in a traceback."""
+    ckpt = tmp_path / "ckpt.pt"
+    amp.main([*JOB_FLAGS, "--steps=2", "--dtype=bf16", f"--checkpoint={ckpt}"])
+    before = ckpt.read_bytes()
+    args = amp.parse_args([*JOB_FLAGS, "--dtype=fp16", f"--checkpoint={ckpt}"])
+    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
+    with pytest.raises(SystemExit, match="written with --dtype bf16, not fp16; use --dtype bf16"):
+        amp.load_checkpoint(args, model, "fp16")
+    assert ckpt.read_bytes() == before
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_low_precision_on_cuda_trains_to_the_fp32_loss(dtype, reference):
-    out = ok(python("amp.py", *JOB_FLAGS, f"--dtype={dtype}", "--device=cuda"))
+    out = ok(python("amp.py", *CUDA_JOB_FLAGS, f"--dtype={dtype}"))
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)
@@ -132,6 +144,6 @@ def test_low_precision_on_cuda_trains_to_the_fp32_loss(dtype, reference):
 
 @needs_cuda
 def test_fp32_on_cuda_equals_one_device(reference, tmp_path):
-    result = python("amp.py", *JOB_FLAGS, "--dtype=fp32", "--device=cuda", "--clip=0",
+    result = python("amp.py", *CUDA_JOB_FLAGS, "--dtype=fp32", "--clip=0",
                     f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)

@@ -14,7 +14,7 @@ def test_environment_report_names_torch_backends_and_a_launch_command():
 
 
 def test_communication_check_verifies_an_all_reduce_and_measures_bandwidth():
-    out = ok(torchrun(2, "common.py"))
+    out = ok(torchrun(2, "common.py", "--device=cpu"))
     assert "all-reduce verified on 2 ranks (gloo, cpu); barrier passed" in out
     # the table's rows: four numbers (gloo's own "[Gloo] Rank 1 is connected ..." lines of two
     # ranks can interleave into a line that starts with a digit too)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import (JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, logged_losses, max_diff,
+from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, logged_losses, max_diff,
                       needs_cuda, python, run_in_process, summary_numbers, summary_val_loss)
 
 # Measured on CPU, torch 2.13.0: bit-identical without accumulation (DataParallel without GPUs
@@ -24,5 +24,5 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, refe
 
 @needs_cuda
 def test_dataparallel_on_cuda_equals_one_device(reference, tmp_path):
-    result = python("dataparallel.py", *JOB_FLAGS, "--device=cuda", f"--save={tmp_path / 'w.pt'}")
+    result = python("dataparallel.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)

@@ -9,7 +9,7 @@ from torch.utils.data import DistributedSampler
 import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
-from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
+from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_gpu_run_equals_oracle, fails_clearly, launch_runs, logged_losses,
                       logged_val_losses, max_diff, needs_2_gpus, needs_cuda, python,
                       refused_in_one_line, succeeded, summary_val_loss, torchrun)
@@ -133,20 +133,20 @@ def test_batch_not_divisible_by_world_size_is_a_clear_error(as_torchrun, capsys)
 
 @needs_cuda
 def test_ddp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
-    result = torchrun(1, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
+    result = torchrun(1, "ddp.py", *CUDA_JOB_FLAGS, "--backend=nccl",
                       f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 
 
 @needs_cuda
 def test_ddp_two_gloo_ranks_sharing_one_gpu_equals_one_device(reference, tmp_path):
-    result = torchrun(2, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=gloo",
+    result = torchrun(2, "ddp.py", *CUDA_JOB_FLAGS, "--backend=gloo",
                       f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 
 
 @needs_2_gpus
 def test_ddp_nccl_two_gpus_equals_one_device(reference, tmp_path):
-    result = torchrun(2, "ddp.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
+    result = torchrun(2, "ddp.py", *CUDA_JOB_FLAGS, "--backend=nccl",
                       f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)

@@ -17,7 +17,7 @@ from test_ddp import TOL
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Long enough (~1-2 s of training) that a worker can be killed mid-run, on a tiny model.
 LONG = dict(JOB, steps=300, batch_size=60)
-LONG_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()]
+LONG_FLAGS = [*(f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()), "--device=cpu"]
 
 
 def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weights(tmp_path):
@@ -26,7 +26,7 @@ def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weight
         *LONG_FLAGS, f"--checkpoint={tmp_path / 'ckpt.pt'}", "--checkpoint-every=10",
         f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
     assert result.returncode == 0, result.stdout
-    assert "ddp: resumed from" in result.stdout  # the group really restarted from the file
+    assert "resumed from" in result.stdout  # the group really restarted from the file
     _, expected, _ = reference_train(**LONG)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
 
@@ -56,13 +56,14 @@ def test_a_dead_peer_ends_the_job_with_an_error(launcher, tmp_path):
     assert seconds < 10 + 5  # within the process-group timeout (plus the launcher's teardown)
 
 
-@pytest.mark.parametrize("script", ["ddp", "amp"])
+@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "amp"])
 def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritten(
         script, tmp_path):
     """load_checkpoint, which every rank calls before the first collective, stops with one
     line (SystemExit: exit status 1) and leaves the file as it was."""
     module = importlib.import_module(script)
     args = module.parse_args(["--device=cpu", "--nproc=1"] if script == "ddp" else ["--device=cpu"])
+    extra = ["bf16"] if script == "amp" else []  # amp.py's load_checkpoint checks the dtype
     ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
     cases = [(b"garbage", "cannot be read")]
     common.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
@@ -71,7 +72,7 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
         with open(ckpt, "wb") as f:
             f.write(content)
         with pytest.raises(SystemExit) as exit_:
-            module.load_checkpoint(args, common.SimpleModel(hidden=32), torch.device("cpu"))
+            module.load_checkpoint(args, common.SimpleModel(hidden=32), *extra)
         assert str(exit_.value).startswith(f"{script}.py: error: --checkpoint {ckpt}: {message}")
         assert open(ckpt, "rb").read() == content
 
@@ -83,12 +84,12 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
     model = common.SimpleModel()
     common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0}, args.checkpoint)
     with pytest.raises(SystemExit, match="with --batch-size 64, not 32.*use --batch-size 64"):
-        ddp.load_checkpoint(args, model, torch.device("cpu"))
+        ddp.load_checkpoint(args, model)
 
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["dataparallel", "ddp", "fsdp", "amp", "pipeline"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "amp", "pipeline"]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
@@ -120,6 +121,7 @@ DISTRIBUTED_BAD_FLAGS = [
     ("pipeline", ["--backend=nccl", "--device=cpu"], "stages send CPU tensors, which only gloo"),
     ("ddp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
     ("amp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
+    ("single", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
 ])
 def test_bad_distributed_flags_are_refused_in_one_line(script, flags, message, capsys,
                                                        as_torchrun):
@@ -137,7 +139,7 @@ def test_bad_checkpoint_ends_in_its_one_line_on_every_launch_path(tmp_path):
     flags = ["--steps=2", f"--checkpoint={ckpt}"]
     spawned, under_torchrun = launch_together([
         [sys.executable, "ddp.py", "--nproc=1", "--device=cpu", *flags],
-        torchrun_cmd(1, "ddp.py", *flags)])
+        torchrun_cmd(1, "ddp.py", "--device=cpu", *flags)])
     line = f"ddp.py: error: --checkpoint {ckpt}: cannot be read"
     assert spawned.returncode == 1, spawned.stderr
     assert "Traceback" not in spawned.stderr

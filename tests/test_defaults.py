@@ -12,16 +12,17 @@ import pytest
 from conftest import (initial_val_loss, launch_together, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["dataparallel", "ddp", "fsdp", "amp", "pipeline"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "amp", "pipeline"]
 # The multi-process ones are launched as the README says; the single-process ones run their
-# main() with no flags in this process (the same code as `python X.py`, without seconds of
-# torch imports for a new process). The pipelined stages (torchrun pipeline.py) are proven on
-# JOB by tests/test_pipeline.py.
+# main() in this process (the same code as `python X.py`, without seconds of torch imports for
+# a new process). The pipelined stages (torchrun pipeline.py) are proven on JOB by
+# tests/test_pipeline.py. Defaults all, except --device=cpu: "auto" would pick a GPU where
+# there is one, and a GPU machine must pass this suite too.
 LAUNCHED = {
-    "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py"),  # the README's first
-    "python fsdp.py": [sys.executable, "fsdp.py"],  # starts 2 workers on a CPU
+    "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py", "--device=cpu"),
+    "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
 }
-IN_PROCESS = ["dataparallel", "amp", "pipeline"]
+IN_PROCESS = ["single", "dataparallel", "amp", "pipeline"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def default_runs():
     for script in IN_PROCESS:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            importlib.import_module(script).main([])
+            importlib.import_module(script).main(["--device=cpu"])
         runs[f"python {script}.py"] = out.getvalue(), ""
     return runs
 

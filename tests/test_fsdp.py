@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import SimpleModel
-from conftest import (JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
+from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_gpu_run_equals_oracle, launch_runs, logged_losses, max_diff,
                       needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun)
 
@@ -146,13 +146,13 @@ def test_bad_flags_are_refused_in_one_line(flags, message, as_torchrun, capsys):
 
 @needs_cuda
 def test_fsdp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
-    result = torchrun(1, "fsdp.py", *JOB_FLAGS, "--device=cuda", f"--save={tmp_path / 'w.pt'}")
+    result = torchrun(1, "fsdp.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 
 
 @needs_cuda
 def test_fsdp_bf16_on_gpu_trains_to_the_fp32_loss(reference):
-    out = ok(torchrun(1, "fsdp.py", *JOB_FLAGS, "--device=cuda", "--mixed-precision=bf16"))
+    out = ok(torchrun(1, "fsdp.py", *CUDA_JOB_FLAGS, "--mixed-precision=bf16"))
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
 
 

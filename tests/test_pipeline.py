@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import (JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
+from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
                       logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
                       refused_in_one_line, run_in_process, succeeded, summary_val_loss,
                       torchrun)
@@ -90,7 +90,7 @@ def test_one_rank_under_torchrun_is_a_clear_error(as_torchrun, capsys):
 @needs_cuda
 def test_model_parallel_on_cuda_equals_one_device(reference, tmp_path):
     """Two stages on cuda:0 and cuda:1, or both on cuda:0 with one GPU."""
-    result = python("pipeline.py", *JOB_FLAGS, "--stages=2", "--device=cuda",
+    result = python("pipeline.py", *CUDA_JOB_FLAGS, "--stages=2",
                     f"--save={tmp_path / 'w.pt'}")
     assert "on cuda:0, cuda:" in result.stdout
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
@@ -98,6 +98,6 @@ def test_model_parallel_on_cuda_equals_one_device(reference, tmp_path):
 
 @needs_2_gpus
 def test_pipeline_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
-    result = torchrun(2, "pipeline.py", *JOB_FLAGS, "--device=cuda", "--backend=nccl",
+    result = torchrun(2, "pipeline.py", *CUDA_JOB_FLAGS, "--backend=nccl",
                       f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)

@@ -151,7 +151,7 @@ def processes_with(text):
 def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device_weights(
         cluster, tmp_path):
     long = dict(JOB, steps=120, batch_size=60)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in long.items()]
+    flags = [*(f"--{k.replace('_', '-')}={v}" for k, v in long.items()), "--device=cpu"]
     ckpt = tmp_path / "ckpt.pt"
     job = cluster.submit(*flags, f"--checkpoint={ckpt}", "--checkpoint-every=10",
                          f"--save={tmp_path / 'w.pt'}")
@@ -169,7 +169,7 @@ def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log
     assert fields["Restarts"] == "1" and fields["NumNodes"] == "2", fields
     assert "ddp: 2 ranks" in log  # 2 nodes x 1 worker (NPROC_PER_NODE=1), met at the first
-    assert "ddp: resumed from" in log and "(restart 1)" in log
+    assert "resumed from" in log and "(restart 1)" in log
     _, expected, _ = reference_train(**long)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
 

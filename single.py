@@ -1,0 +1,220 @@
+"""One device: the plain training loop every other script in this collection is a diff against.
+
+What it teaches
+    Nothing parallel, on purpose. It trains SimpleModel on one device (a GPU, or the CPU) with
+    Adam on global batches of --batch-size samples, evaluates on a held-out set, writes
+    checkpoints it can resume from, and saves weights that load anywhere. Every other script
+    adds one technique to exactly this, and the tests prove each one ends with the weights this
+    loop ends with (tests/reference.py is the same loop, written even more plainly).
+
+When to use it
+    The model, its gradients and Adam's state fit on one device, and one device is fast enough.
+When not
+    You have several devices and want them all working: ddp.py. The model does not fit:
+    fsdp.py (shard it) or pipeline.py (cut it into stages).
+
+Launch
+    python single.py                    # the GPU if there is one, else the CPU
+    python single.py --device cpu --steps 500 --save w.pt
+    python single.py --checkpoint ckpt.pt   # resumes from ckpt.pt if it exists
+    Smallest hardware: any CPU.
+
+Read next (each diff shows one technique and nothing else)
+    diff single.py dataparallel.py   # several GPUs from one process
+    diff single.py amp.py            # mixed precision
+    diff single.py ddp.py            # one process per device: data parallelism
+    then diff ddp.py fsdp.py and diff ddp.py pipeline.py
+
+Docs
+    https://pytorch.org/tutorials/beginner/basics/optimization_tutorial.html
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
+"""
+
+import argparse
+import itertools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler
+
+from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import fail, num_params, positive, print0, save_atomic, seed_everything
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="resume from PATH if it exists; write model, optimizer, step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.batch_size % args.accum_steps:
+        parser.error(f"--batch-size {args.batch_size} must be divisible by "
+                     f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
+    return args
+
+
+def setup(args):
+    """Pick the device."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", 0)
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    print(f"single: device {device.type} | torch {torch.__version__}", flush=True)
+    return device
+
+
+def evaluate(model, dataset, batch_size, device):
+    """The mean squared error over every sample of the held-out set."""
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+def train(args, device):
+    """Train; return the model, the final loss and the final validation loss."""
+    seed_everything(args.seed)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    state = load_checkpoint(args, model) if args.checkpoint else None
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    start_step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+        start_step = state["step"]
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
+
+    dataset, val_set = make_dataset("train"), make_dataset("val")
+    # Each epoch's order is the permutation drawn from seed + epoch: the same one
+    # DistributedSampler draws in ddp.py, so every script trains on the same batches.
+    generator = torch.Generator()
+    sampler = RandomSampler(dataset, generator=generator)
+    micro_batch = args.batch_size // args.accum_steps
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            generator.manual_seed(args.seed + epoch)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            loss = F.mse_loss(model(x), y) / args.accum_steps
+            loss.backward()
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():
+                val_loss = evaluate(model, val_set, args.batch_size, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            save_checkpoint(args, model, optimizer, step + 1)
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    return model, final_loss, val_loss
+
+
+def save_checkpoint(args, model, optimizer, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model):
+    """Read --checkpoint into the model if it exists (return its state, or None if there is
+    none); a bad one stops with one line and is left as it was."""
+    if not os.path.exists(args.checkpoint):
+        return None
+
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        if "size mismatch" in str(e) or "Missing key" in str(e):
+            refuse("saved with another model size; use its --hidden and --blocks")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    except Exception as e:  # truncated, not a torch file, not a dict...
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if state.get(key) != getattr(args, key):
+            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {state.get(key)}")
+    return state
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = setup(args)
+    model, _, _ = train(args, device)
+    if args.save:
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+
+
+if __name__ == "__main__":
+    main()

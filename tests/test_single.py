@@ -1,0 +1,45 @@
+"""single.py, the baseline every other script is a diff against, is the oracle's loop: the same
+weights, the same exact validation loss, and a checkpoint that resumes to the uninterrupted run."""
+
+import pytest
+
+from conftest import (CUDA_JOB_FLAGS, JOB, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
+                      logged_losses, max_diff, needs_cuda, python, run_in_process,
+                      summary_val_loss)
+from reference import reference_train
+
+# Measured on CPU, torch 2.13.0: bit-identical to the oracle (the same operations in the same
+# order); 3.0e-8 with --accum-steps 2 (the batch summed in two halves).
+TOL = 1e-6
+
+
+def test_single_device_equals_the_oracle(reference, reference_val, tmp_path):
+    out, weights = run_in_process("single", [], tmp_path)
+    assert max_diff(weights, reference[1]) < TOL
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    losses = logged_losses(out)
+    assert losses[0] == pytest.approx(reference[2][0], abs=1e-5)
+    assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+
+
+def test_gradient_accumulation_equals_one_big_batch(reference, tmp_path):
+    _, weights = run_in_process("single", ["--accum-steps=3"], tmp_path)
+    assert max_diff(weights, reference[1]) < TOL
+
+
+def test_checkpoint_at_step_8_resumes_to_12_uninterrupted_steps(tmp_path):
+    """JOB writes a checkpoint every 4 steps; continued from step 8 to step 12 it ends where 12
+    uninterrupted steps on one device end."""
+    ckpt = f"--checkpoint={tmp_path / 'ckpt.pt'}"
+    run_in_process("single", [ckpt, "--checkpoint-every=4"], tmp_path)
+    out, weights = run_in_process("single", [ckpt, "--steps=12"], tmp_path)
+    assert "resumed from" in out and "at step 8" in out
+    _, expected, _ = reference_train(**dict(JOB, steps=12))
+    assert max_diff(weights, expected) < TOL
+
+
+@needs_cuda
+def test_single_gpu_equals_the_oracle(reference, tmp_path):
+    result = python("single.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+    assert load_saved(tmp_path / "w.pt")  # saved as CPU tensors: loads without map_location
