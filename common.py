@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import json
 import os
+import pickle
 import resource
 import sys
 import tempfile
@@ -162,6 +163,86 @@ def save_atomic(obj, path):
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+# The classes a checkpoint index (.metadata) of torch.distributed.checkpoint is made of: DCP's
+# own metadata dataclasses, the file reader's storage record, and the torch types they hold.
+DCP_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+}
+
+
+class NotCheckpointData(pickle.UnpicklingError):
+    """A pickle that names a class or function no checkpoint index holds."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index and refuses any other class or function (os.system, say)."""
+
+    def find_class(self, module, name):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in DCP_METADATA_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise NotCheckpointData(f"{module}.{name}")
+
+
+def load_sharded(state, folder):
+    """dcp.load(state, checkpoint_id=folder), reading the checkpoint as data, never as code.
+
+    torch trusts a DCP folder: it reads the index (.metadata) with a plain pickle.load, and every
+    non-tensor value in the shards (the optimizer's lr, betas...) with torch.load(weights_only=
+    False), so a hostile folder runs any code it names on load (pytorch/pytorch#189308). Here
+    the index goes through MetadataUnpickler and each value through weights_only=True first.
+    Before any collective, every rank checks what the files alone can tell (the index, each
+    shard present and long enough) and raises ValueError with the reason: the same files give
+    the same answer on every rank, so all stop together. What goes wrong later, inside
+    dcp.load, raises DCP's CheckpointException on every rank.
+    """
+    # Imported here: only the sharded scripts need it, and it takes most of a second.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class DataOnlyReader(dcp.FileSystemReader):
+        def read_metadata(self):  # (no **kwargs: DCP then skips its per-rank fallback)
+            with open(os.path.join(self.path, ".metadata"), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class DataOnlyPlanner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            # The default unpickles with weights_only=False. The same bytes through
+            # weights_only=True first: anything but plain data stops here.
+            torch.load(value, weights_only=True)
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    reader = DataOnlyReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise ValueError("its index (.metadata) is missing")
+    except NotCheckpointData as e:
+        raise ValueError(f"its index (.metadata) calls {e}, which no checkpoint does: "
+                         "refused, nothing was run")
+    except Exception as e:  # empty, truncated, garbage
+        raise ValueError(f"its index (.metadata) cannot be read ({type(e).__name__})")
+    if not isinstance(metadata, Metadata) or not metadata.storage_data:
+        raise ValueError("its index (.metadata) is not a checkpoint's")
+    for info in metadata.storage_data.values():
+        shard = os.path.join(folder, str(info.relative_path))
+        if not os.path.isfile(shard):
+            raise ValueError(f"shard {info.relative_path} is missing")
+        if os.path.getsize(shard) < info.offset + info.length:
+            raise ValueError(f"shard {info.relative_path} is cut short")
+    dcp.load(state, storage_reader=reader, planner=DataOnlyPlanner())
 
 
 def num_params(model):

@@ -33,6 +33,15 @@ Launch
     # several machines: as in ddp.py (torchrun --nnodes ... --rdzv-backend=c10d ...)
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank.
 
+What is trusted
+    A checkpoint is data: fsdp.py reads a sharded checkpoint folder through load_sharded
+    (common.py), which unpickles its index only into DCP's own metadata classes and its values
+    only as weights_only data, so a damaged or hostile folder is refused in one line and runs
+    nothing. (torch's own dcp.load trusts the folder: it unpickles parts of it with plain
+    pickle.) --save files are plain state_dicts: load them with torch.load(weights_only=True).
+    The rendezvous store (torchrun's --rdzv-endpoint) has no authentication: trusted networks
+    only. More in docs/traps.md#trust.
+
 What changes from replicating (DDP) to sharding
     diff ddp.py fsdp.py
 
@@ -55,6 +64,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -66,7 +76,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, num_params, positive, print0, save_atomic, seed_everything
+from common import fail, load_sharded, num_params, positive, print0, save_atomic
+from common import seed_everything
 
 
 def parse_args(argv=None):
@@ -426,9 +437,15 @@ def load_checkpoint(args, model, optimizer):
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
-        # A collective: an error on any rank is raised on every rank.
-        dcp.load(state, checkpoint_id=folder)
-    except Exception as e:  # a missing or truncated shard, a corrupt index...
+        # Not dcp.load(state, checkpoint_id=folder): torch trusts a checkpoint folder and
+        # unpickles parts of it with plain pickle, so a folder someone handed you could run
+        # code. load_sharded (common.py) reads it as data only, and checks the index and the
+        # shards on every rank before the collective load begins.
+        load_sharded(state, folder)
+    except ValueError as e:  # found before any collective, the same on every rank
+        refuse(f"{e}; move it away or point elsewhere")
+    except (Exception, CheckpointException) as e:  # raised on every rank by the collective
+        # (CheckpointException derives from BaseException: `except Exception` misses it.)
         refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])

@@ -2,16 +2,22 @@
 sharded checkpoints resume on any number of ranks; each rank holds 1/N of the training state."""
 
 import json
+import os
+import pickle
 import re
 import shutil
+import sys
+import warnings
 
 import pytest
 import torch
 
+import common
 from common import SimpleModel
 from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
-                      assert_gpu_run_equals_oracle, launch_runs, logged_losses, max_diff,
-                      needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun)
+                      assert_gpu_run_equals_oracle, launch_runs, launch_together, logged_losses,
+                      max_diff, needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss,
+                      torchrun, torchrun_cmd)
 
 # Measured on a 2-core CPU, torch 2.13.0, max weight difference from the oracle: 1 rank 4.5e-8,
 # 2 ranks 7.5e-8, 3 ranks (uneven shards: 32 rows -> 11/11/10) 9.7e-8, 4 ranks 4.5e-8,
@@ -133,6 +139,116 @@ def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(content, messa
     assert str(exit_.value).startswith(f"fsdp.py: error: --checkpoint {ckpt}: ")
     assert message in str(exit_.value)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+class RunsCode:
+    """Unpickled, it runs a shell command: what a hostile checkpoint hides."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def damage(ckpt, case, copy, marker):
+    """A copy of the sharded checkpoint folder `ckpt`, damaged (or made hostile) as `case` says.
+    A hostile copy would create the file `marker` if it were ever unpickled as code."""
+    shutil.copytree(ckpt, copy)
+    step = copy / (copy / "latest").read_text()
+    if case == "truncated shard":
+        with open(step / "__0_0.distcp", "r+b") as f:
+            f.truncate(100)
+    elif case == "missing shard":
+        (step / "__1_0.distcp").unlink()
+    elif case == "corrupt index":
+        (step / ".metadata").write_bytes(b"\x80\x04garbage")
+    elif case == "empty index":
+        (step / ".metadata").write_bytes(b"")
+    elif case == "hostile index":
+        (step / ".metadata").write_bytes(pickle.dumps(RunsCode(f"touch {marker}")))
+    elif case == "hostile value":
+        # A whole, well-formed checkpoint whose optimizer lr, a non-tensor value DCP stores as
+        # pickled bytes, runs a command when unpickled. Written with DCP itself, one process.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        dcp_to_torch_save(step, copy / "full.pt")
+        full = torch.load(copy / "full.pt", weights_only=True)
+        (copy / "full.pt").unlink()
+        full["optimizer"]["param_groups"][0]["lr"] = RunsCode(f"touch {marker}")
+        for f in step.glob("*.distcp"):
+            f.unlink()
+        (step / ".metadata").unlink()
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(full, checkpoint_id=step)
+    return copy
+
+
+DAMAGED = {  # case: what the one line says
+    "truncated shard": "shard __0_0.distcp is cut short",
+    "missing shard": "shard __1_0.distcp is missing",
+    "corrupt index": "its index (.metadata) cannot be read",
+    "empty index": "its index (.metadata) cannot be read (EOFError)",
+    "hostile index": "its index (.metadata) calls posix.system, which no checkpoint does",
+}
+
+
+def files(folder):
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_nothing(
+        case, runs, tmp_path):
+    """load_sharded (common.py) checks the index and the shards on every rank before the
+    collective load: the same files, the same ValueError on every rank."""
+    marker = tmp_path / "ran"
+    copy = damage(runs["torchrun 2 ranks"][1].parent / "ckpt", case, tmp_path / "c", marker)
+    before = files(copy)
+    with pytest.raises(ValueError, match=re.escape(DAMAGED[case])):
+        common.load_sharded({}, copy / (copy / "latest").read_text())
+    assert not marker.exists() and files(copy) == before
+
+
+# Both launch paths, all at once, each with both ways a refusal happens: before any collective
+# (every case of DAMAGED, proven one by one above: here a damaged shard and a hostile index) and
+# inside the collective load (a hostile value, refused on every rank).
+LAUNCHED_DAMAGE = {
+    ("spawn", "truncated shard"): DAMAGED["truncated shard"],
+    ("spawn", "hostile value"): "cannot be read (CheckpointException)",
+    ("torchrun", "hostile index"): DAMAGED["hostile index"],
+    ("torchrun", "hostile value"): "cannot be read (CheckpointException)",
+}
+
+
+def test_damaged_or_hostile_checkpoint_stops_every_rank_in_one_line_on_both_launch_paths(
+        runs, tmp_path):
+    """`python fsdp.py` ends with the line (exit 1, no traceback); under torchrun the line is
+    the Root Cause. Nothing hostile runs and the folder is left as it was."""
+    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
+    cases, commands = [], []
+    for i, ((launcher, case), message) in enumerate(LAUNCHED_DAMAGE.items()):
+        marker = tmp_path / f"ran{i}"
+        copy = damage(ckpt, case, tmp_path / f"c{i}", marker)
+        flags = [*JOB_FLAGS, "--steps=10", f"--checkpoint={copy}"]
+        commands.append([sys.executable, "fsdp.py", "--nproc=2", *flags] if launcher == "spawn"
+                        else torchrun_cmd(2, "fsdp.py", *flags))
+        cases.append((launcher, case, copy, files(copy), marker,
+                      f"fsdp.py: error: --checkpoint {copy}: {message}"))
+    for (launcher, case, copy, before, marker, line), result in zip(
+            cases, launch_together(commands)):
+        assert result.returncode != 0, (launcher, case, result.stdout)
+        if launcher == "spawn":
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+            # the last line but torch's own log lines ("W1122 ... Terminating process ...":
+            # mp.spawn ending the other worker, which may have printed the line too)
+            ours = [l for l in result.stderr.splitlines() if not re.match(r"[IWE]\d{4} ", l)]
+            assert ours[-1].startswith(line), result.stderr
+        else:
+            assert line in result.stderr.split("Root Cause")[-1], result.stderr
+        assert not marker.exists(), f"{case}: the checkpoint ran code"
+        assert files(copy) == before
 
 
 @pytest.mark.parametrize("flags, message", [
