@@ -24,22 +24,31 @@ IN_FEATURES = 32
 OUT_FEATURES = 8
 DATASET_SIZE = 4096
 VAL_SIZE = 1000
+MLP_RATIO = 4  # a block's inner width, in multiples of its hidden width
 DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed moves init and order
 
 
 class Block(nn.Module):
-    """One hidden layer: Linear + ReLU, with a residual connection so deep stacks still train."""
+    """A transformer's feed-forward block: x + down(relu(up(x))).
+
+    `up` widens hidden to an inner width (4x, as transformers do), `down` narrows it back, and
+    the residual connection lets deep stacks train. The up/down pair is what tensor parallelism
+    cuts (tp.py): `up` by columns, so each rank computes a slice of the inner units with no
+    communication, and `down` by rows, so each rank adds a partial sum: one all-reduce per
+    block in forward and one in backward.
+    """
 
     def __init__(self, hidden):
         super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
+        self.up = nn.Linear(hidden, MLP_RATIO * hidden)
+        self.down = nn.Linear(MLP_RATIO * hidden, hidden)
 
     def forward(self, x):
-        return x + torch.relu(self.linear(x))
+        return x + self.down(torch.relu(self.up(x)))
 
 
 class SimpleModel(nn.Module):
-    """input Linear -> `blocks` x Block -> output Linear.
+    """input Linear -> `blocks` x Block (hidden -> 4 x hidden -> hidden) -> output Linear.
 
     No BatchNorm and no dropout on purpose: BatchNorm statistics are per replica and dropout
     masks are per RNG stream, so both make parallel strategies differ from one device for

@@ -250,6 +250,10 @@ def train(args, rank, world_size, device):
     # would round away the small ones, and the sharded weights Adam updates stay fp32.
     compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # The ranks the shards are spread over, on the device the tensors live on. Without mesh=,
+    # fully_shard builds one on the machine's accelerator, whatever --device says: with a GPU
+    # visible, `--device cpu` would try to put every rank on a GPU ("invalid device ordinal").
+    mesh = init_device_mesh(device.type, (world_size,))
     # Each Block becomes one unit of communication: its weights are gathered just before it
     # runs and freed right after, so only one block is ever whole at a time. Blocks first,
     # then the root (which takes the rest: the input and output layers). The other order
@@ -257,10 +261,6 @@ def train(args, rank, world_size, device):
     # fails silently: the input and output layers stay plain tensors whose gradients nobody
     # averages, and the ranks drift apart (input.weight 0.15 apart after 12 Adam steps on
     # 2 ranks, measured on torch 2.13).
-    # The ranks the shards are spread over, on the device the tensors live on. Without mesh=,
-    # fully_shard builds one on the machine's accelerator, whatever --device says: with a GPU
-    # visible, `--device cpu` would try to put every rank on a GPU ("invalid device ordinal").
-    mesh = init_device_mesh(device.type, (world_size,))
     for block in model.blocks.values():
         # The knob that trades memory for speed: reshard_after_forward=False keeps each
         # block's gathered weights from its forward until its backward, one all-gather less

@@ -191,7 +191,7 @@ def cut(model, stage, stages):
     """Stage `stage` of `stages`: a copy of the model that keeps only its share of the blocks,
     plus the input layer on the first stage and the output layer on the last.
 
-    Deleting from a full copy keeps the full model's parameter names ("blocks.3.linear.weight"),
+    Deleting from a full copy keeps the full model's parameter names ("blocks.3.up.weight"),
     so the stages' state_dicts are slices of the full one and merge back with a dict update.
     (A model too big for one device is built on the "meta" device first and each stage then
     materializes only its own part: the same cut, without the memory.)

@@ -10,10 +10,15 @@ import torch.nn.functional as F
 from common import SimpleModel, make_dataset
 
 
-def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None):
+def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, ranks=1):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (amp.py's --clip).
+    ranks: the gradient as N data-parallel ranks add it up: the mean of N per-rank mean
+    gradients, rank r taking every N-th sample of the batch from the r-th on (as
+    DistributedSampler deals them), each on one thread (as the scripts' workers run). The
+    same arithmetic in the same order, so it follows an N-rank run past the horizon where
+    any two summation orders drift apart (docs/drift.md).
     """
     torch.manual_seed(seed)
     model = SimpleModel(hidden=hidden, blocks=blocks)
@@ -27,9 +32,18 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None):
         if k == 0:  # a fresh permutation each epoch, drawn from seed + epoch
             order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
         batch = order[k * batch_size:(k + 1) * batch_size]
-        loss = F.mse_loss(model(x[batch]), y[batch])
         optimizer.zero_grad()
-        loss.backward()
+        if ranks == 1:
+            loss = F.mse_loss(model(x[batch]), y[batch])
+            loss.backward()
+        else:
+            loss, grads = 0.0, []
+            for r in range(ranks):
+                part = F.mse_loss(model(x[batch[r::ranks]]), y[batch[r::ranks]])
+                grads.append(torch.autograd.grad(part, list(model.parameters())))
+                loss += part.detach() / ranks
+            for p, *g in zip(model.parameters(), *grads):
+                p.grad = sum(gi / ranks for gi in g)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common import IN_FEATURES, SimpleModel
-from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
-                      logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
+from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+                      load_saved, logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
                       summary_val_loss)
 from reference import reference_train
 
@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
 def test_fp32_with_default_flags_equals_one_device_like_every_other_script(runs, reference,
                                                                           reference_val):
     out, weights = runs["fp32"]
-    assert max_diff(weights, reference[1]) < 1e-6
+    assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
 
@@ -49,7 +49,7 @@ def test_fp32_is_exactly_the_baseline_including_clipping(runs):
     _, clipped, _ = reference_train(**JOB, clip=CLIP)
     _, unclipped, _ = reference_train(**JOB)
     assert max_diff(clipped, unclipped) > 1e-3  # the clip really changes the run
-    assert max_diff(runs["fp32, clipped"][1], clipped) < 1e-6
+    assert max_diff(runs["fp32, clipped"][1], clipped) < TOL
 
 
 def test_default_dtype_on_cpu_is_bf16(runs):

@@ -2,12 +2,10 @@
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, logged_losses, max_diff,
-                      needs_cuda, python, run_in_process, summary_numbers, summary_val_loss)
+from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+                      logged_losses, max_diff, needs_cuda, python, run_in_process, summary_numbers,
+                      summary_val_loss)
 
-# Measured on CPU, torch 2.13.0: bit-identical without accumulation (DataParallel without GPUs
-# calls the model), 6.7e-8 with --accum-steps 2 (the batch summed in two halves).
-TOL = 1e-6
 
 
 def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, reference_val,

@@ -9,17 +9,13 @@ from torch.utils.data import DistributedSampler
 import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
-from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
-                      assert_gpu_run_equals_oracle, fails_clearly, launch_runs, logged_losses,
-                      logged_val_losses, max_diff, needs_2_gpus, needs_cuda, python,
-                      refused_in_one_line, succeeded, summary_val_loss, torchrun)
+from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+                      assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
+                      fails_clearly, launch_runs, logged_losses, logged_val_losses, max_diff,
+                      needs_2_gpus, needs_cuda, python, refused_in_one_line, succeeded,
+                      summary_val_loss, torchrun)
 from reference import reference_val_loss
 
-# Measured on a 2-core CPU, torch 2.13.0: 1 rank is bit-identical to the oracle; 2 and 3 ranks
-# and accumulation differ by at most 8.2e-8 (summing the batch in another order changes the
-# last bit of fp32). 1e-6 leaves a 12x margin; any real mistake (a wrong sample, a missing
-# average, a skipped sync) moves the weights by 1e-3 or more.
-TOL = 1e-6
 
 
 # name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB.

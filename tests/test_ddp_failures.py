@@ -12,7 +12,7 @@ import common
 from conftest import (JOB, free_port, launch_and_kill_a_worker, launch_together, load_saved,
                       max_diff, refused_in_one_line, torchrun_cmd)
 from reference import reference_train
-from test_ddp import TOL
+from conftest import TOL
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Long enough (~1-2 s of training) that a worker can be killed mid-run, on a tiny model.
@@ -27,7 +27,9 @@ def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weight
         f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
     assert result.returncode == 0, result.stdout
     assert "resumed from" in result.stdout  # the group really restarted from the file
-    _, expected, _ = reference_train(**LONG)
+    # 300 steps is past the horizon where any two summation orders stay within TOL: compare
+    # with the oracle that adds the gradient up as 2 ranks do (measured: bit-identical).
+    _, expected, _ = reference_train(**LONG, ranks=2)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < TOL
 
 

@@ -2,16 +2,10 @@
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, VAL_TOL, assert_gpu_run_equals_oracle, launch_runs,
-                      logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
-                      refused_in_one_line, run_in_process, succeeded, summary_val_loss,
-                      torchrun)
+from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+                      launch_runs, logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
+                      refused_in_one_line, run_in_process, succeeded, summary_val_loss, torchrun)
 
-# Measured on CPU, torch 2.13.0, 4 micro-batches: model parallelism is bit-identical; the
-# pipelines differ by at most ~1e-7 (the gradient is summed over micro-batches, then divided,
-# in another order than one batch's mean). Any real mistake (a missing scale_grads, a stage
-# stepping twice, a misrouted activation) moves the weights by 1e-3 or more.
-TOL = 1e-6
 
 
 RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule once, 2 and 3 stages once.

@@ -3,14 +3,10 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
-                      logged_losses, max_diff, needs_cuda, python, run_in_process,
-                      summary_val_loss)
+from conftest import (CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
+                      logged_losses, max_diff, needs_cuda, python, run_in_process, summary_val_loss)
 from reference import reference_train
 
-# Measured on CPU, torch 2.13.0: bit-identical to the oracle (the same operations in the same
-# order); 3.0e-8 with --accum-steps 2 (the batch summed in two halves).
-TOL = 1e-6
 
 
 def test_single_device_equals_the_oracle(reference, reference_val, tmp_path):

@@ -1,0 +1,556 @@
+"""Tensor parallelism (TP), and 2D parallelism: each layer's matrices cut across devices.
+
+What it teaches
+    DDP and FSDP split the batch; TP splits each layer. Every Block of SimpleModel is a
+    transformer's feed-forward pair, x + down(relu(up(x))), and with T ranks in a TP group
+    (Megatron-LM's scheme, torch.distributed.tensor.parallel):
+    - `up` is cut by columns (ColwiseParallel): rank t holds 1/T of its output units, so it
+      computes 1/T of the inner activations from the whole input, with no communication;
+    - `down` is cut by rows (RowwiseParallel): rank t multiplies its 1/T of the inner
+      activations by its 1/T of the rows and gets a partial sum of the output; one all-reduce
+      adds the T partial sums. Backward mirrors it: one all-reduce of the input's gradient.
+    So each rank holds and updates 1/T of every block's weights, gradients and Adam state, and
+    moves 2 activation-sized all-reduces per block per step, whatever the batch is cut into.
+    All the ranks of one TP group work on the same samples. With --tp T smaller than the world
+    size W, the W ranks form a grid of W/T groups ("dp") of T ranks ("tp"): TP inside each
+    group, FSDP across the groups, each group on its own shard of every batch (2D). With global
+    batch B the result equals one device with batch B: the tests prove it to ~1e-7.
+
+    Sequence parallelism (SP), which usually comes with TP in transformers, cuts the
+    LayerNorms and dropouts between the TP blocks along the sequence dimension, so that the
+    activations there are not held whole on every rank. SimpleModel has neither a sequence
+    dimension nor a LayerNorm: there is nothing for SP to cut here, so this file has none.
+
+When to use it
+    The layers themselves are too big, or too slow, for one device, and the devices have the
+    fastest links there are (NVLink, inside one machine): every block all-reduces activations
+    twice per step, in the critical path. Large models use TP inside a machine and FSDP (or
+    pipelining) across machines: --tp 8 on 8-GPU machines.
+When not
+    Over ordinary networks or across machines (TP's all-reduces would wait on every block),
+    or when the model fits with DDP or FSDP, which move less and overlap it with compute.
+
+Launch
+    python tp.py                              # starts its own workers: one per GPU, or 2
+    torchrun --nproc_per_node=2 tp.py         # pure TP: each block cut in 2
+    torchrun --nproc_per_node=4 tp.py --tp 2  # 2D: 2 TP groups of 2, FSDP across them
+    torchrun --nproc_per_node=4 tp.py --tp 2 --checkpoint ckpt   # resumable on any mesh
+    Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
+    and every TP group inside one machine.
+
+What is trusted
+    As fsdp.py: checkpoints are DCP folders, read as data by load_sharded (common.py); the
+    rendezvous store has no authentication. docs/traps.md#trust.
+
+What changes from sharding (FSDP) to cutting each layer (TP, and 2D)
+    diff fsdp.py tp.py
+
+Docs
+    https://pytorch.org/docs/stable/distributed.tensor.parallel.html
+    https://pytorch.org/tutorials/intermediate/TP_tutorial.html
+    https://pytorch.org/docs/stable/distributed.checkpoint.html
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import shutil
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import DATASET_SIZE, MLP_RATIO, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import fail, load_sharded, num_params, positive, print0, save_atomic
+from common import seed_everything
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=50,
+                       help="steps between evaluations on the held-out set (and at the end)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                          help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
+    hardware.add_argument("--tp", type=positive(int), default=None,
+                          help="ranks in each tensor-parallel group (default: all of them, pure "
+                               "TP); fewer: 2D, FSDP across the groups")
+    hardware.add_argument("--nproc", type=positive(int), default=None,
+                          help="workers to start without torchrun (default: one per GPU, or 2 "
+                               "on a CPU)")
+    hardware.add_argument("--timeout", type=positive(float), default=60.0,
+                          help="seconds a collective may wait for a peer before the job fails")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="a folder: resume from it if it holds a checkpoint; write sharded "
+                             "model, optimizer and step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        if args.nproc is None:
+            # One worker per GPU (2 on a CPU), or as many as divide the batch and each block's
+            # inner width: on 6 GPUs the defaults run on 4; --batch-size 96 --hidden 96 uses 6.
+            args.nproc = max(n for n in range(1, (gpus or 2) + 1)
+                             if args.batch_size % (n * args.accum_steps) == 0
+                             and MLP_RATIO * args.hidden % n == 0)
+            if args.nproc < gpus:
+                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
+                      f"that divide --batch-size {args.batch_size}; pass a multiple of "
+                      f"{gpus * args.accum_steps} (and --hidden a multiple of {gpus}) to use all",
+                      flush=True)
+        world_size = local_world = args.nproc
+    if use_cuda and local_world > gpus:
+        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: TP's all-reduces and
+        # need NCCL, and NCCL one GPU per rank.
+        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): TP on GPUs "
+                     "needs one GPU per rank; use fewer ranks or --device cpu")
+    args.tp = args.tp or world_size
+    if world_size % args.tp:
+        parser.error(f"--tp {args.tp} must divide the world size {world_size} (the ranks form "
+                     f"a grid of TP groups); use a divisor of {world_size}")
+    if MLP_RATIO * args.hidden % args.tp:
+        parser.error(f"--tp {args.tp} must divide each block's inner width {MLP_RATIO} x "
+                     f"--hidden = {MLP_RATIO * args.hidden}, which TP cuts in {args.tp}; "
+                     f"use --hidden {args.hidden * args.tp} or another --tp")
+    if local_world % args.tp:
+        # Ranks are numbered machine by machine, and a TP group is T consecutive ranks: it
+        # stays inside one machine only if the ranks per machine are a multiple of T.
+        parser.error(f"--tp {args.tp}: {local_world} ranks per machine is not a multiple of "
+                     f"it, so a TP group would span machines, where its two all-reduces per "
+                     f"block would wait on the network; use a --tp that divides {local_world}")
+    carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
+    if args.backend not in ("auto", carrier):
+        parser.error(f"--backend {args.backend}: TP here cuts {'GPU' if use_cuda else 'CPU'} "
+                     f"tensors, which only {carrier} carries; use --backend {carrier} (or auto)")
+    dp = world_size // args.tp  # TP groups: each trains on its own shard of every batch
+    if args.batch_size % (dp * args.accum_steps):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} TP "
+                     f"group(s) x --accum-steps {args.accum_steps}; "
+                     f"use a multiple of {dp * args.accum_steps}")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
+    return args
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # which shard of the data this process trains on
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist.
+        device = torch.device("cuda", local_rank)
+        # Before init_process_group: NCCL binds to the *current* device, and without this
+        # every rank would create its context and buffers on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"  # parse_args checked: one GPU per rank
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
+        # group reads the dead attempt's addresses (docs/traps.md#restarts).
+        store = dist.PrefixStore(
+            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=False, timeout=timeout))
+    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
+    # job that waits forever (the default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    print0(f"tp: {world_size} ranks = {world_size // args.tp} (dp) x {args.tp} (tp) | "
+           f"backend {backend} | device {device.type} | torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def evaluate(model, dataset, mesh, batch_size, device):
+    """The mean squared error over every sample of the held-out set, exactly, on every rank.
+
+    Every rank must call it: it ends in a collective. (Evaluating on rank 0 alone hangs as soon
+    as anything collective runs inside, pytorch/pytorch#54059.)
+    """
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    # --- TP: evaluate a shard on each TP group, then add the sums up ---
+    # Every rank of a TP group works on the same samples: shard by the group ("dp"), not by
+    # the rank. (Where dp is 1, the one group sees every sample.)
+    rank, world_size = mesh.get_local_rank("dp"), mesh["dp"].size()
+    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
+    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
+    # (docs/traps.md#padding).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    real = len(range(rank, len(dataset), world_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            real -= len(x)
+            # Every forward is a collective (each block all-reduces in its TP group, and in 2D
+            # all-gathers its FSDP shards), so every rank must run the same number of
+            # forwards: the padding keeps the batch counts equal, and a group whose real
+            # samples have run out forwards an empty batch (x[:0]) rather than skipping it.
+            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
+    # shard like a 334-sample one and count the duplicates, and change with the number of
+    # ranks (pytorch/pytorch#25162). Over the "dp" dimension only: the T ranks of a group
+    # hold the same sums, and adding them all up would count every sample T times.
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=mesh.get_group("dp"))
+    if world_size > 1:
+        # 2D: the FSDP root keeps its gathered weights after forward, expecting backward to
+        # need them soon; after evaluation no backward comes, so hand the memory back.
+        model.reshard()
+    # --- end TP ---
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+def parallelize(model, mesh):
+    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D)."""
+    # --- TP: cut each block's matrices over the TP group ---
+    # ColwiseParallel makes up.weight (out x in) a DTensor sharded by rows of the weight,
+    # i.e. by output column of x @ W.T: Shard(0), 1/T of the inner units per rank, bias too.
+    # It takes the whole input (replicated) and leaves its output sharded along the last
+    # dimension, which is exactly what RowwiseParallel expects as input: down.weight is
+    # sharded by its input columns (Shard(1)), each rank computes a partial sum, and one
+    # all-reduce in forward makes the output whole (and its backward all-reduces the gradient
+    # of up's input). The ReLU between them works on each rank's slice: it is elementwise.
+    # The input and output layers stay whole on every rank of the group (replicated): they
+    # are small, and TP would cost them a collective each.
+    for block in model.blocks.values():
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+    # --- 2D: FSDP across the TP groups, after TP ---
+    # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each
+    # rank holds 1/(D*T) of a block). The other order fails (fully_shard has already made
+    # every parameter a DTensor on "dp"; parallelize_module refuses it). Blocks, then the
+    # root, as in fsdp.py.
+    if mesh["dp"].size() > 1:
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def train(args, rank, world_size, device):
+    """Train; return the sharded model, the final loss (averaged over all ranks) and the
+    final validation loss."""
+    # --- TP: build the model without memory, cut it (and shard it), then fill the pieces ---
+    # On the "meta" device a module has shapes but no storage: a model far bigger than one
+    # device costs nothing to build here.
+    with torch.device("meta"):
+        model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+    # The ranks as a grid with named dimensions: W/T rows ("dp") of T ranks ("tp"), row-major,
+    # so a TP group is T consecutive ranks, which torchrun places on one machine. On the
+    # device the tensors live on: without it, the mesh would go to the machine's accelerator,
+    # whatever --device says.
+    mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
+                            mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh)
+    # Storage for this rank's shards only (uninitialized), on its device.
+    model.to_empty(device=device)
+    # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly
+    # the weights one device starts from; the call cuts it up and sends every rank its
+    # pieces. (A model too big for rank 0's CPU memory would be initialized shard by shard
+    # instead, or loaded from a checkpoint.) Every rank must call it: it is a collective.
+    full = {}
+    if rank == 0:
+        seed_everything(args.seed)
+        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                              broadcast_from_rank0=True))
+    # After parallelize, never before: it replaces the blocks' parameters with DTensors, so an
+    # optimizer built earlier would hold the old tensors, which no longer get gradients.
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # --- end TP ---
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
+
+    dataset, val_set = make_dataset("train"), make_dataset("val")
+    # --- TP: shard the data by TP group, not by rank ---
+    # Every rank of a TP group must see the same micro-batch: each computes its slice of the
+    # inner units of the same samples, and the all-reduce adds those slices up. Fed by rank
+    # instead, each rank would compute its slice for other samples, and the all-reduce would
+    # add up pieces of different samples: wrong numbers, silently (tests/test_tp.py measures
+    # it). So DistributedSampler deals the batch over the D = W/T groups ("dp"), exactly as DDP
+    # deals it over ranks: step k's B samples spread over the D groups, B/D each.
+    dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    micro_batch = args.batch_size // (dp * args.accum_steps)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # --- end TP ---
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            # Without set_epoch every epoch replays epoch 0's order (the seed never moves).
+            sampler.set_epoch(epoch)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # --- TP: accumulate gradients ---
+            # TP's own all-reduces carry activations, and every micro-batch needs them. Only
+            # 2D has gradients to synchronize (FSDP's, across the groups): skip that until
+            # the last micro-batch, as fsdp.py does.
+            last = micro == args.accum_steps - 1
+            if dp > 1:
+                model.set_requires_gradient_sync(last)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            loss = F.mse_loss(model(x), y) / args.accum_steps
+            loss.backward()
+            # --- end TP ---
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # A collective, so every rank must reach it at the same steps: the condition
+            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused():  # every rank, at the same steps: it is a collective
+                val_loss = evaluate(model, val_set, mesh, args.batch_size // dp, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            with meter.paused():  # every rank writes its own shards: a collective
+                save_checkpoint(args, model, optimizer, rank, step + 1)
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+                         state_bytes=sharded_bytes(model, optimizer)))
+    return model, final_loss, val_loss
+
+
+def sharded_bytes(model, optimizer):
+    """Bytes this rank holds for weights, gradients and Adam's two moments.
+
+    A block's are DTensors, of which to_local() is this rank's piece: 1/T of the block (2D:
+    1/(D*T)). Pure TP leaves the input and output layers whole on every rank. A gradient has
+    its weight's size (it exists from backward to zero_grad). Adam's step counters are
+    scalars, left out.
+    """
+    weights = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                  for p in model.parameters())
+    moments = sum((v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size()
+                  for state in optimizer.state.values() for v in state.values() if v.dim())
+    return 2 * weights + moments
+
+
+def save_checkpoint(args, model, optimizer, rank, step):
+    """Everything needed to continue exactly where this run is, on any number of ranks.
+
+    torch.distributed.checkpoint (DCP) writes a folder in which every rank stores its own
+    shards, plus a file that says where each piece of each tensor lives; on load, every rank
+    reads the pieces it needs for its new slices, so a run saved on 2 ranks resumes on 1 or 3
+    (at the same --batch-size: the data position depends on seed, step and global batch only).
+
+    --checkpoint is a folder of such checkpoints, one subfolder per step, and a file `latest`
+    naming the complete one. A new step is written beside the old one and `latest` is switched
+    to it with one atomic os.replace only once it is complete: a crash at any moment leaves
+    `latest` naming a whole checkpoint. Then the old one is removed.
+    """
+    name = f"step_{step:08d}"
+    # Sharded state dicts: each rank's own slices, as DTensors, under the plain parameter
+    # names (no wrapper prefix), with the optimizer state keyed by those names too.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
+    dcp.save({"model": model_state, "optimizer": optimizer_state},
+             checkpoint_id=os.path.join(args.checkpoint, name))
+    if rank == 0:  # the rest is small and the same on every rank: one writer
+        with open(os.path.join(args.checkpoint, name, "train_state.json"), "w") as f:
+            json.dump({"step": step, "batch_size": args.batch_size, "seed": args.seed,
+                       "hidden": args.hidden, "blocks": args.blocks}, f)
+        tmp = os.path.join(args.checkpoint, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(args.checkpoint, "latest"))
+        for old in os.listdir(args.checkpoint):
+            if old.startswith("step_") and old != name:
+                shutil.rmtree(os.path.join(args.checkpoint, old))
+        print(f"checkpoint: step {step} -> {args.checkpoint}/{name}", flush=True)
+
+
+def load_checkpoint(args, model, optimizer):
+    """Every rank resumes from --checkpoint if it holds one; return the step to start from.
+
+    A bad or mismatched checkpoint stops every rank with one line and is left as it is.
+    """
+    def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    if not os.path.exists(args.checkpoint):
+        return 0
+    if not os.path.isdir(args.checkpoint):
+        refuse("is a file; tp.py keeps sharded checkpoints in a folder: point elsewhere")
+    latest = os.path.join(args.checkpoint, "latest")
+    if not os.path.exists(latest):
+        if os.listdir(args.checkpoint):
+            refuse("this folder holds no checkpoint of tp.py or fsdp.py (no 'latest' file); "
+                   "point --checkpoint at a new or empty folder")
+        return 0
+    try:
+        with open(latest) as f:
+            folder = os.path.join(args.checkpoint, f.read().strip())
+        with open(os.path.join(folder, "train_state.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    if (meta["hidden"], meta["blocks"]) != (args.hidden, args.blocks):
+        refuse(f"saved with --hidden {meta['hidden']} --blocks {meta['blocks']}; "
+               "use the same model size")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if meta[key] != getattr(args, key):
+            refuse(f"written with {flag} {meta[key]}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {meta[key]}")
+    # Load into this rank's sharded state dicts: DCP reads the pieces of each saved tensor
+    # that this rank's slices need, however many ranks wrote them.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        # Not dcp.load(state, checkpoint_id=folder): torch trusts a checkpoint folder and
+        # unpickles parts of it with plain pickle, so a folder someone handed you could run
+        # code. load_sharded (common.py) reads it as data only, and checks the index and the
+        # shards on every rank before the collective load begins.
+        load_sharded(state, folder)
+    except ValueError as e:  # found before any collective, the same on every rank
+        refuse(f"{e}; move it away or point elsewhere")
+    except (Exception, CheckpointException) as e:  # raised on every rank by the collective
+        # (CheckpointException derives from BaseException: `except Exception` misses it.)
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    print0(f"resumed from {folder} at step {meta['step']}")
+    return meta["step"]
+
+
+def run(args):
+    """What each worker process does: join, train, save, leave."""
+    rank, world_size, device = setup(args)
+    model, _, _ = train(args, rank, world_size, device)
+    if args.save:
+        # A plain state_dict of full tensors. model.state_dict() would hold DTensors (this
+        # rank's pieces), which torch.load(weights_only=True) into a SimpleModel refuses.
+        # Gathering them is a collective: every rank calls it (.full_tensor() on rank 0 alone
+        # waits for the others until the timeout). cpu_offload: only rank 0 gets the tensors,
+        # in CPU memory, so no device ever holds the whole model.
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+        if rank == 0:
+            save_atomic(weights, args.save)
+    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
+    # collective that we will never join, and tearing the group down under it can deadlock
+    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        # Lets gloo's threads drop their last tensors while Python is alive; without it a
+        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
+        time.sleep(0.2)
+
+
+def free_port():
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
+
+    Another program could take it before rank 0 binds it again; rare, and then the run fails
+    at once with "address already in use" rather than hanging.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(local_rank, args, port):
+    """Entry point of a worker started by `python tp.py`: set what torchrun would set."""
+    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
+    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
+    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_WORLD_SIZE=str(args.nproc))
+    run(args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        run(args)  # torchrun started one process per rank; this is one of them
+    else:
+        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
+        # for all, and if one fails it terminates the others and raises here.
+        try:
+            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
+            # printed it already and exited 1: end with its exit status, not with spawn's
+            # dozen-line traceback under the message. Anything else (a crash, a signal):
+            # spawn's message, which carries the worker's traceback, in place of ours.
+            code = getattr(e, "exit_code", None)
+            raise SystemExit(code if code is not None and code > 0
+                             else f"{os.path.basename(__file__)}: {e}")
+
+
+if __name__ == "__main__":
+    main()
