@@ -35,14 +35,18 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 """
 
 import argparse
+import functools
 import itertools
 import os
+import shutil
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import fail, num_params, positive, print0, save_atomic, seed_everything
 
 
@@ -68,11 +72,19 @@ def parse_args(argv=None):
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
     hardware.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                           help="autocast type; auto: bf16 on CPUs and on GPUs of compute "
                                "capability 8.0 or more, else fp16")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
                         help="resume from PATH if it exists; write model, optimizer, scaler, "
                              "step there")
@@ -83,6 +95,15 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.compile:
+        try:  # on a Python it does not support, torch.compile says so at once
+            torch.compile(lambda: None)
+        except RuntimeError as e:
+            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
+                         "--compile")
+        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
+            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
+                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
@@ -164,6 +185,22 @@ def train(args, device, dtype):
     """Train; return the model, the final loss and the final validation loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    # --- Activation checkpointing and compiling: per block, before any wrapper ---
+    for block in model.blocks.values():
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here up's and relu's outputs: 8 of every 9 activation bytes of a
+            # block), at about one more forward's compute. Non-reentrant, the current
+            # implementation. It wraps the forward, not the module, so the parameter names
+            # stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if args.compile:
+            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
+            # prefix in the state_dict. After checkpointing, so the compiled code includes
+            # the recomputation; the first step pays the compile time (the summary's "first
+            # step"), later ones run the compiled kernels.
+            block.compile()
+    # --- end ---
     state = load_checkpoint(args, model, dtype) if args.checkpoint else None
     # The weights stay fp32 ("master weights"): autocast casts them to 16 bits on the fly
     # inside each op, so the optimizer's small updates are not rounded away.
@@ -197,6 +234,7 @@ def train(args, device, dtype):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
+    profiler = Profiler(args.profile, 0)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
@@ -216,26 +254,31 @@ def train(args, device, dtype):
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=dtype != "fp32"):
                 # Divided by K so that K micro-batch gradients add up to the mean over the
                 # whole batch, not K times it (which would act like a K times larger lr).
-                loss = F.mse_loss(model(x), y) / args.accum_steps
+                with record_function("forward"):
+                    loss = F.mse_loss(model(x), y) / args.accum_steps
             # scale(loss) multiplies by the current scale (fp16) or returns loss unchanged.
-            scaler.scale(loss).backward()
+            with record_function("backward"):
+                scaler.scale(loss).backward()
             # --- end AMP ---
             loss_sum += loss.detach()
-        _, skipped = optimizer_step(model, optimizer, scaler, args.clip)
+        with record_function("optimizer step"):
+            _, skipped = optimizer_step(model, optimizer, scaler, args.clip)
         if skipped:
             print(f"step {step + 1}: skipped, inf/NaN gradients; fp16 loss scale lowered to "
                   f"{scaler.get_scale():g}", flush=True)
         samples_per_s = meter.step(args.batch_size)
+        profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused():
+            with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, args.batch_size, device, autocast_dtype)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, scaler, dtype, step + 1)
+    profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
     return model, final_loss, val_loss
 

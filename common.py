@@ -272,6 +272,7 @@ class Meter:
         self.gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
         self.warmup = warmup
         self.steps = self.samples = self.warm_samples = 0
+        self.first_step = float("nan")
         self.start = self.last = self._now()
         self.warm_start = None
 
@@ -298,6 +299,10 @@ class Meter:
         self.last = now
         self.steps += 1
         self.samples += samples
+        if self.steps == 1:
+            # The first step pays for what happens once (torch.compile compiling, allocating,
+            # connecting): reported apart, and never in samples/s.
+            self.first_step = now - self.start
         if self.steps == self.warmup:
             self.warm_start, self.warm_samples = now, 0
         elif self.steps > self.warmup:
@@ -306,7 +311,8 @@ class Meter:
 
     def summary(self, loss, flops_per_sample, val_loss, state_bytes=None):
         """The final line: steps, final loss, samples/s, step time, peak memory, TFLOP/s,
-        the bytes of training state each rank holds (if given), and the validation loss."""
+        the first step's time, the bytes of training state each rank holds (if given), and
+        the validation loss."""
         if self.steps > self.warmup:
             timed, samples, elapsed = (self.steps - self.warmup, self.warm_samples,
                                        self.last - self.warm_start)
@@ -324,9 +330,48 @@ class Meter:
         if self.gpus:
             # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
             line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"
+        line += f" | first step {self.first_step:.2f} s"
         if state_bytes is not None:
             line += f" | state {state_bytes / 2**20:.3f} MiB/rank"
         return line + f" | val loss {val_loss:.6f}"
+
+
+class Profiler:
+    """torch.profiler over a few steps after warm-up, one Chrome trace per rank.
+
+    With `folder` None it does nothing. Otherwise steps 1-3 run unrecorded (warm-up: compile,
+    allocation, first connections), step 4 warms the profiler up, steps 5-7 are recorded, and
+    `folder`/trace_rank<R>.json is written: open it in https://ui.perfetto.dev or
+    chrome://tracing. Recorded steps run slower (every op is timed, and its inputs' shapes
+    kept), and the summary's samples/s includes them: profile and benchmark in separate runs.
+    """
+
+    def __init__(self, folder, rank, skip=3, warmup=1, active=3):
+        self.prof = None
+        if folder is None:
+            return
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"trace_rank{rank}.json")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(
+            activities=activities, record_shapes=True,
+            schedule=torch.profiler.schedule(skip_first=skip, wait=0, warmup=warmup,
+                                             active=active, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(path))
+        self.prof.start()
+        print0(f"profiling steps {skip + warmup + 1}-{skip + warmup + active} into "
+               f"{folder}/trace_rank*.json (those steps run slower)")
+
+    def step(self):
+        """Call once at the end of every training step."""
+        if self.prof is not None:
+            self.prof.step()
+
+    def stop(self):
+        if self.prof is not None:
+            self.prof.stop()
 
 
 def log_line(step, steps, loss, samples_per_s):

@@ -32,15 +32,18 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 """
 
 import argparse
+import functools
 import itertools
 import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn import DataParallel
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import fail, num_params, positive, print0, save_atomic, seed_everything
 
 
@@ -63,8 +66,16 @@ def parse_args(argv=None):
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
                         help="resume from PATH if it exists; write model, optimizer, step there")
     output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
@@ -74,6 +85,11 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.compile:
+        # DataParallel copies the model onto every GPU at every step, and torch.compile does
+        # not follow it there (its docs recommend DDP).
+        parser.error("--compile: not with DataParallel, which copies the model to each GPU "
+                     "every step; use ddp.py --compile (or single.py --compile)")
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
@@ -124,6 +140,16 @@ def train(args, device):
     """Train; return the unwrapped model, the final loss and the final validation loss."""
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    # --- Activation checkpointing: per block, before any wrapper ---
+    for block in model.blocks.values():
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here up's and relu's outputs: 8 of every 9 activation bytes of a
+            # block), at about one more forward's compute. Non-reentrant, the current
+            # implementation. It wraps the forward, not the module, so the parameter names
+            # stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    # --- end ---
     state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DataParallel: wrap the model ---
     # Every forward: replicate the weights onto each visible GPU, scatter the batch along
@@ -151,6 +177,7 @@ def train(args, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
+    profiler = Profiler(args.profile, 0)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
@@ -164,22 +191,27 @@ def train(args, device):
             x, y = x.to(device), y.to(device)
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
-            loss = F.mse_loss(dp_model(x), y) / args.accum_steps
-            loss.backward()
+            with record_function("forward"):
+                loss = F.mse_loss(dp_model(x), y) / args.accum_steps
+            with record_function("backward"):
+                loss.backward()
             loss_sum += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
+        profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused():
+            with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(dp_model, val_set, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, step + 1)
+    profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
     return model, final_loss, val_loss
 

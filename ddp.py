@@ -46,8 +46,10 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 import argparse
 import contextlib
 import datetime
+import functools
 import itertools
 import os
+import shutil
 import socket
 import time
 
@@ -56,9 +58,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import fail, num_params, positive, print0, save_atomic, seed_everything
 
 
@@ -81,6 +85,11 @@ def parse_args(argv=None):
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL when every rank has a GPU of its own, else gloo")
     hardware.add_argument("--nproc", type=positive(int), default=None,
@@ -90,6 +99,9 @@ def parse_args(argv=None):
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
                         help="resume from PATH if it exists; write model, optimizer, step there")
     output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
@@ -99,6 +111,15 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.compile:
+        try:  # on a Python it does not support, torch.compile says so at once
+            torch.compile(lambda: None)
+        except RuntimeError as e:
+            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
+                         "--compile")
+        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
+            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
+                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
     gpus = torch.cuda.device_count() if use_cuda else 0
     if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
         world_size = int(os.environ["WORLD_SIZE"])
@@ -217,6 +238,22 @@ def train(args, rank, world_size, device):
     # broadcast rank 0's weights anyway; seeding keeps anything else you build in step too.)
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    # --- Activation checkpointing and compiling: per block, before any wrapper ---
+    for block in model.blocks.values():
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here up's and relu's outputs: 8 of every 9 activation bytes of a
+            # block), at about one more forward's compute. Non-reentrant, the current
+            # implementation. It wraps the forward, not the module, so the parameter names
+            # stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if args.compile:
+            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
+            # prefix in the state_dict. After checkpointing, so the compiled code includes
+            # the recomputation; the first step pays the compile time (the summary's "first
+            # step"), later ones run the compiled kernels.
+            block.compile()
+    # --- end ---
     state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DDP: wrap the model ---
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
@@ -225,6 +262,10 @@ def train(args, rank, world_size, device):
     # makes each .grad a view into its bucket instead of a copy: one memory copy less each
     # way, and one gradient's worth of memory saved (13% more samples/s on a 2-core CPU, see
     # docs/performance.md). Don't call .detach_() on such a .grad; zero_grad() is fine.
+    # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
+    # buckets' all-reduces overlap backward as usual. Compiling the whole wrapper instead,
+    # torch.compile(ddp_model), also works: DDP's optimizer then splits the graph at bucket
+    # boundaries so the all-reduces still overlap (docs/compile.md).
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end DDP ---
@@ -251,6 +292,7 @@ def train(args, rank, world_size, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
+    profiler = Profiler(args.profile, rank)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
@@ -271,13 +313,17 @@ def train(args, rank, world_size, device):
             with contextlib.nullcontext() if last else ddp_model.no_sync():
                 # Divided by K so that K micro-batch gradients add up to the mean over the
                 # whole batch, not K times it (which would act like a K times larger lr).
-                loss = F.mse_loss(ddp_model(x), y) / args.accum_steps
-                loss.backward()
+                with record_function("forward"):
+                    loss = F.mse_loss(ddp_model(x), y) / args.accum_steps
+                with record_function("backward"):
+                    loss.backward()
             # --- end DDP ---
             loss_sum += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
+        profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             # A collective, so every rank must reach it at the same steps: the condition
@@ -286,7 +332,8 @@ def train(args, rank, world_size, device):
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused():  # every rank, at the same steps: it is a collective
+            # every rank, at the same steps: it is a collective
+            with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, rank, world_size,
                                     args.batch_size // world_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
@@ -296,6 +343,7 @@ def train(args, rank, world_size, device):
             # torchrun go on with the machines it still has).
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
+    profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
     return model, final_loss, val_loss
 

@@ -54,6 +54,7 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -73,9 +74,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, Meter, SimpleModel, eval_line, log_line, make_dataset
+from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import fail, load_sharded, num_params, positive, print0, save_atomic
 from common import seed_everything
 
@@ -99,6 +102,11 @@ def parse_args(argv=None):
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
@@ -110,6 +118,9 @@ def parse_args(argv=None):
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
                         help="a folder: resume from it if it holds a checkpoint; write sharded "
                              "model, optimizer and step there")
@@ -120,6 +131,15 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.compile:
+        try:  # on a Python it does not support, torch.compile says so at once
+            torch.compile(lambda: None)
+        except RuntimeError as e:
+            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
+                         "--compile")
+        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
+            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
+                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
     gpus = torch.cuda.device_count() if use_cuda else 0
     if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
         world_size = int(os.environ["WORLD_SIZE"])
@@ -245,6 +265,23 @@ def train(args, rank, world_size, device):
     # device costs nothing to build here.
     with torch.device("meta"):
         model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+    # --- Activation checkpointing and compiling: per block, before fully_shard ---
+    for block in model.blocks.values():
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here up's and relu's outputs: 8 of every 9 activation bytes of a
+            # block), at about one more forward's compute. Non-reentrant, the current
+            # implementation. It wraps the forward, not the module, so the parameter names
+            # stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if args.compile:
+            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
+            # prefix in the state_dict. After checkpointing, so the compiled code includes
+            # the recomputation; before fully_shard, so FSDP's all-gathers and reduce-scatters
+            # stay outside it (torchtitan's order). The first step pays the compile time (the
+            # summary's "first step"), later ones run the compiled kernels.
+            block.compile()
+    # --- end ---
     # bf16: each block's weights are gathered (and computed with) in bf16; the gradients are
     # reduce-scattered in fp32, since summing N ranks' gradients in bf16 (8 bits of mantissa)
     # would round away the small ones, and the sharded weights Adam updates stay fp32.
@@ -304,6 +341,7 @@ def train(args, rank, world_size, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
+    profiler = Profiler(args.profile, rank)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
@@ -325,13 +363,17 @@ def train(args, rank, world_size, device):
             model.set_requires_gradient_sync(last)
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
-            loss = F.mse_loss(model(x), y) / args.accum_steps
-            loss.backward()
+            with record_function("forward"):
+                loss = F.mse_loss(model(x), y) / args.accum_steps
+            with record_function("backward"):
+                loss.backward()
             # --- end FSDP ---
             loss_sum += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
+        profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             # A collective, so every rank must reach it at the same steps: the condition
@@ -340,13 +382,15 @@ def train(args, rank, world_size, device):
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused():  # every rank, at the same steps: it is a collective
+            # every rank, at the same steps: it is a collective
+            with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, rank, world_size,
                                     args.batch_size // world_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective
                 save_checkpoint(args, model, optimizer, rank, step + 1)
+    profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
                          state_bytes=sharded_bytes(model, optimizer)))
     return model, final_loss, val_loss

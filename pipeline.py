@@ -66,10 +66,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, SimpleModel, eval_line
-from common import log_line, make_dataset, num_params, positive, print0, save_atomic
+from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
+from common import eval_line, log_line, make_dataset, num_params, positive, print0, save_atomic
 from common import seed_everything
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -100,17 +101,29 @@ def parse_args(argv=None):
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL when every rank has a GPU of its own, else gloo")
     hardware.add_argument("--timeout", type=positive(float), default=60.0,
                           help="seconds a send/recv may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
     args = parser.parse_args(argv)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.compile or args.activation_checkpointing:
+        # Both work per stage in principle; this file keeps to the pipeline itself.
+        parser.error("--compile and --activation-checkpointing are not shown with pipelining "
+                     "here; see single.py, ddp.py, fsdp.py or tp.py")
     gpus = torch.cuda.device_count() if use_cuda else 0
     if "RANK" in os.environ:  # torchrun: one stage per rank
         stages = int(os.environ["WORLD_SIZE"])
@@ -298,6 +311,7 @@ def train(args, rank, world_size, devices):
     steps_per_epoch = len(loader)
 
     meter = Meter(devices)  # every stage's device: the clock waits for all of them
+    profiler = Profiler(args.profile, rank)  # does nothing without --profile
     for step in range(args.steps):
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0:
@@ -307,17 +321,19 @@ def train(args, rank, world_size, devices):
         if world_size == 1:
             # --- Model parallelism: hand the activations from device to device ---
             # While one stage computes, the others wait: nothing overlaps.
-            for stage_module, device in zip(stages, devices):
-                x = stage_module(x.to(device))
-            loss = F.mse_loss(x, y.to(x.device))
-            loss.backward()  # autograd follows the .to() calls back across the devices
+            with record_function("forward"):
+                for stage_module, device in zip(stages, devices):
+                    x = stage_module(x.to(device))
+                loss = F.mse_loss(x, y.to(x.device))
+            with record_function("backward"):
+                loss.backward()  # autograd follows the .to() calls back across the devices
             loss = loss.detach()
             # --- end model parallelism ---
         else:
             # --- Pipeline parallelism: one call runs the whole schedule ---
             # The schedule cuts the batch into micro-batches, runs every forward and
             # backward in its order, sending activations down and gradients up.
-            losses = []
+            losses = []  # (the schedule marks each micro-batch's "Forward i", "Backward i")
             if is_first:
                 schedule.step(x.to(device))
             elif is_last:
@@ -328,9 +344,11 @@ def train(args, rank, world_size, devices):
             loss = (torch.stack(losses).mean().detach() if is_last
                     else torch.zeros((), device=device))
             # --- end pipeline parallelism ---
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
+        profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             if world_size > 1:
@@ -340,10 +358,12 @@ def train(args, rank, world_size, devices):
             final_loss = loss.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused():  # every rank, at the same steps: it sends and receives
+            # every rank, at the same steps: it sends and receives
+            with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(stages, val_set, rank, world_size, devices,
                                     args.batch_size, args.hidden)
             print0(eval_line(step + 1, args.steps, val_loss))
+    profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
 
     # Reassemble the full model on rank 0: each stage holds a slice of the full state_dict.

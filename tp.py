@@ -54,6 +54,7 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -75,10 +76,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, MLP_RATIO, Meter, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, load_sharded, num_params, positive, print0, save_atomic
+from common import DATASET_SIZE, MLP_RATIO, Meter, Profiler, SimpleModel, eval_line, log_line
+from common import fail, load_sharded, make_dataset, num_params, positive, print0, save_atomic
 from common import seed_everything
 
 
@@ -101,6 +104,11 @@ def parse_args(argv=None):
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
     hardware.add_argument("--tp", type=positive(int), default=None,
@@ -113,6 +121,9 @@ def parse_args(argv=None):
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
                         help="a folder: resume from it if it holds a checkpoint; write sharded "
                              "model, optimizer and step there")
@@ -123,6 +134,15 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.compile:
+        try:  # on a Python it does not support, torch.compile says so at once
+            torch.compile(lambda: None)
+        except RuntimeError as e:
+            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
+                         "--compile")
+        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
+            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
+                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
     gpus = torch.cuda.device_count() if use_cuda else 0
     if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
         world_size = int(os.environ["WORLD_SIZE"])
@@ -256,8 +276,9 @@ def evaluate(model, dataset, mesh, batch_size, device):
     return (sums[0] / sums[1]).item()
 
 
-def parallelize(model, mesh):
-    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D)."""
+def parallelize(model, mesh, args):
+    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D).
+    Between the two: --activation-checkpointing and --compile, per block."""
     # --- TP: cut each block's matrices over the TP group ---
     # ColwiseParallel makes up.weight (out x in) a DTensor sharded by rows of the weight,
     # i.e. by output column of x @ W.T: Shard(0), 1/T of the inner units per rank, bias too.
@@ -271,11 +292,29 @@ def parallelize(model, mesh):
     for block in model.blocks.values():
         parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
                                                "down": RowwiseParallel()})
+    # --- Activation checkpointing and compiling: per block, after TP, before fully_shard ---
+    for block in model.blocks.values():
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here up's and relu's outputs: 8 of every 9 activation bytes of a
+            # block), at about one more forward's compute. Non-reentrant, the current
+            # implementation. It wraps the forward, not the module, so the parameter names
+            # stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if args.compile:
+            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
+            # prefix in the state_dict. After checkpointing, so the compiled code includes
+            # the recomputation; after parallelize_module, so it compiles the TP block with its
+            # all-reduces; before fully_shard, so FSDP's collectives stay outside (torchtitan's
+            # order: TP, checkpointing, compile, FSDP). The first step pays the compile time.
+            block.compile()
+    # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each
-    # rank holds 1/(D*T) of a block). The other order fails (fully_shard has already made
-    # every parameter a DTensor on "dp"; parallelize_module refuses it). Blocks, then the
-    # root, as in fsdp.py.
+    # rank holds 1/(D*T) of a block). The other order fails: fully_shard has already made
+    # every parameter a DTensor on "dp", and parallelize_module stops with "ValueError: Cannot
+    # distribute a DTensor with device mesh DeviceMesh((dp=2), ...) to a different device
+    # mesh". Blocks, then the root, as in fsdp.py.
     if mesh["dp"].size() > 1:
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh["dp"])
@@ -297,7 +336,7 @@ def train(args, rank, world_size, device):
     # whatever --device says.
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh)
+    parallelize(model, mesh, args)
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly
@@ -333,6 +372,7 @@ def train(args, rank, world_size, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
+    profiler = Profiler(args.profile, rank)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
@@ -354,13 +394,17 @@ def train(args, rank, world_size, device):
                 model.set_requires_gradient_sync(last)
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
-            loss = F.mse_loss(model(x), y) / args.accum_steps
-            loss.backward()
+            with record_function("forward"):
+                loss = F.mse_loss(model(x), y) / args.accum_steps
+            with record_function("backward"):
+                loss.backward()
             # --- end TP ---
             loss_sum += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
+        profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             # A collective, so every rank must reach it at the same steps: the condition
@@ -369,12 +413,14 @@ def train(args, rank, world_size, device):
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused():  # every rank, at the same steps: it is a collective
+            # every rank, at the same steps: it is a collective
+            with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, mesh, args.batch_size // dp, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective
                 save_checkpoint(args, model, optimizer, rank, step + 1)
+    profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
                          state_bytes=sharded_bytes(model, optimizer)))
     return model, final_loss, val_loss

@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import io
+import json
 import os
 import re
 import signal
@@ -42,6 +43,10 @@ CUDA_JOB_FLAGS = [*JOB_FLAGS[:-1], "--device=cuda"]
 # more. GPU runs (TF32 off) are held to the same bound; no GPU has run this suite yet.
 TOL = 1e-6
 GPU_TOL = TOL
+# torch.compile fuses the block's ops into generated kernels that round in their own places
+# (fused multiply-adds, other reduction orders): one more summation order. Measured at most
+# COMPILE_MEASURED on JOB; held to the same TOL.
+COMPILE_TOL = TOL
 
 # The validation loss is printed with 6 decimals (rounding: up to 5e-7); computed in float32
 # batch by batch and summed in float64, the scripts' exact means differ from the float64
@@ -300,3 +305,22 @@ def summary_numbers(stdout):
     m = re.search(r"\| ([0-9.]+) samples/s \| ([0-9.]+) ms/step \| peak mem ([0-9.]+) MiB", line)
     assert m, f"summary line has the wrong format: {line}"
     return [float(x) for x in m.groups()]
+
+
+def assert_profiled(folder, ranks, *needles):
+    """`--profile folder` wrote one Chrome trace per rank (JSON, as Perfetto reads it), and
+    each of its recorded steps (ProfilerStep#N, 3 of them) holds an event named by every
+    needle: a name, or a tuple of names of which one will do (gloo has no reduce-scatter)."""
+    assert sorted(p.name for p in folder.iterdir()) == [f"trace_rank{r}.json" for r in
+                                                         range(ranks)]
+    for rank in range(ranks):
+        events = [e for e in json.loads((folder / f"trace_rank{rank}.json").read_text())[
+            "traceEvents"] if e.get("ph") == "X"]
+        steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+        assert len(steps) == 3, [e["name"] for e in steps]
+        for step in steps:
+            names = {e["name"] for e in events
+                     if step["ts"] <= e["ts"] < step["ts"] + step["dur"]}
+            for needle in needles:
+                alternatives = needle if isinstance(needle, tuple) else (needle,)
+                assert names & set(alternatives), (rank, step["name"], needle)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+from conftest import (CUDA_JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
                       logged_losses, max_diff, needs_cuda, python, run_in_process, summary_numbers,
                       summary_val_loss)
 

@@ -1,5 +1,6 @@
 """ddp.py trains to the same weights as one device, however the batch is spread."""
 
+import re
 import shutil
 
 import pytest
@@ -9,11 +10,11 @@ from torch.utils.data import DistributedSampler
 import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
-from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
-                      fails_clearly, launch_runs, logged_losses, logged_val_losses, max_diff,
-                      needs_2_gpus, needs_cuda, python, refused_in_one_line, succeeded,
-                      summary_val_loss, torchrun)
+                      assert_profiled, fails_clearly, launch_runs, logged_losses,
+                      logged_val_losses, max_diff, needs_2_gpus, needs_cuda, python,
+                      refused_in_one_line, succeeded, summary_val_loss, torchrun)
 from reference import reference_val_loss
 
 
@@ -21,10 +22,13 @@ from reference import reference_val_loss
 # name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB.
 RUNS = {  # one rank: see the resume test, which continues on 1 (and 3) ranks
     # also writes a checkpoint every 4 steps: the resume test below continues from it
-    "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4"]),
+    "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4",
+                             "--profile={folder}/trace"]),  # and traces steps 5-7
     "torchrun 3 ranks": (3, []),
-    "torchrun 2 ranks, accum 3": (2, ["--accum-steps=3"]),
-    "spawn 2 ranks": (None, ["--nproc=2", "--device=cpu"]),
+    # activation checkpointing recomputes the same operations: the same weights, bit for bit
+    "spawn 2 ranks, AC": (None, ["--nproc=2", "--activation-checkpointing"]),
+    "torchrun 2 ranks, accum 3, compile + AC": (2, ["--accum-steps=3", "--compile",
+                                                    "--activation-checkpointing"]),
 }
 
 
@@ -48,7 +52,7 @@ def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference
     assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks", "spawn 2 ranks"])
+@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks", "spawn 2 ranks, AC"])
 def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_n_ranks(
         name, runs, reference_val):
     out = succeeded(runs[name])[0]
@@ -73,8 +77,11 @@ def test_three_ranks_pad_the_held_out_set_so_averaging_rank_means_would_be_wrong
     assert abs(naive - exact) > 10 * VAL_TOL
 
 
-def test_gradient_accumulation_equals_one_big_batch(runs, reference):
-    assert max_diff(weights(runs, "torchrun 2 ranks, accum 3"), reference[1]) < TOL
+def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_all_reduce_of_every_step(
+        runs):
+    """And the profiled run still ends with the oracle's weights (the tests above)."""
+    assert_profiled(runs["torchrun 2 ranks"][1].parent / "trace", 2, "forward", "backward",
+                    "optimizer step", ("gloo:all_reduce", "nccl:all_reduce"))
 
 
 def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
@@ -87,8 +94,14 @@ def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
         "ddp.py", {nproc: tmp_path / f"c{nproc}.pt" for nproc in (1, 3)}, tmp_path, TOL)
 
 
-def test_spawn_path_equals_torchrun_path(runs):
-    assert max_diff(weights(runs, "spawn 2 ranks"), weights(runs, "torchrun 2 ranks")) == 0.0
+def test_spawn_path_with_activation_checkpointing_equals_torchrun_without_bit_for_bit(runs):
+    assert max_diff(weights(runs, "spawn 2 ranks, AC"), weights(runs, "torchrun 2 ranks")) == 0.0
+
+
+def test_compiled_checkpointed_blocks_with_accumulation_equal_one_big_batch(runs, reference):
+    out, saved = succeeded(runs["torchrun 2 ranks, accum 3, compile + AC"])
+    assert max_diff(saved, reference[1]) < COMPILE_TOL
+    assert float(re.search(r"first step ([0-9.]+) s", out).group(1)) > 0
 
 
 def test_every_layer_is_trained(runs, reference):

@@ -91,7 +91,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "amp", "pipeline"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline"]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
@@ -167,3 +167,31 @@ def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monk
     finally:
         torch.set_num_threads(before)
     assert threads == [3 if omp else max(1, os.cpu_count() // 2)]
+
+
+@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp"])
+def test_compile_without_a_cpp_compiler_or_on_an_unsupported_python_is_refused_in_one_line(
+        script, capsys, monkeypatch):
+    """Faked: inductor finds no C++ compiler on the CPU; torch.compile refuses this Python."""
+    import shutil
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    refused_in_one_line(script, ["--compile"], "--compile on the CPU: inductor compiles C++ "
+                        "and finds no compiler (g++, or $CXX); install one", capsys)
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("Python 3.15+ not yet supported for torch.compile")
+    monkeypatch.setattr(torch, "compile", unsupported)
+    refused_in_one_line(script, ["--compile"], "--compile: Python 3.15+ not yet supported",
+                        capsys)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("dataparallel", ["--compile"], "--compile: not with DataParallel"),
+    ("pipeline", ["--compile"], "are not shown with pipelining here"),
+    ("pipeline", ["--activation-checkpointing"], "are not shown with pipelining here"),
+])
+def test_compile_and_checkpointing_where_not_shown_are_refused_in_one_line(
+        script, flags, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    refused_in_one_line(script, flags, message, capsys)

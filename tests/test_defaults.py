@@ -12,7 +12,7 @@ import pytest
 from conftest import (initial_val_loss, launch_together, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "amp", "pipeline"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline"]
 # The multi-process ones are launched as the README says; the single-process ones run their
 # main() in this process (the same code as `python X.py`, without seconds of torch imports for
 # a new process). The pipelined stages (torchrun pipeline.py) are proven on JOB by
@@ -21,6 +21,7 @@ SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "amp", "pipeline"]
 LAUNCHED = {
     "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py", "--device=cpu"),
     "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
+    "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
 }
 IN_PROCESS = ["single", "dataparallel", "amp", "pipeline"]
 

@@ -14,10 +14,11 @@ import torch
 
 import common
 from common import SimpleModel
-from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
-                      launch_runs, launch_together, logged_losses, max_diff, needs_cuda, ok,
-                      refused_in_one_line, succeeded, summary_val_loss, torchrun, torchrun_cmd)
+                      assert_profiled, launch_runs, launch_together, logged_losses, max_diff,
+                      needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun,
+                      torchrun_cmd)
 
 # bf16 compute, fp32 reduction and weights: the final loss measured 2.1e-4 from fp32's, relative.
 BF16_REL_TOL = 0.01
@@ -25,10 +26,12 @@ BF16_REL_TOL = 0.01
 RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra flags)
     # also writes a sharded checkpoint every 4 steps: the resume test continues from it
     "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt", "--checkpoint-every=4"]),
-    "torchrun 3 ranks": (3, []),
-    "torchrun 4 ranks": (4, []),
-    # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step
-    "spawn 2 ranks, accum 2": (None, ["--nproc=2", "--device=cpu", "--accum-steps=2"]),
+    "torchrun 3 ranks": (3, ["--profile={folder}/trace"]),  # traces steps 5-7
+    "torchrun 4 ranks": (4, ["--activation-checkpointing"]),  # recomputes inside the shards
+    # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
+    # through compiled blocks that recompute their activations in backward
+    "spawn 2 ranks, accum 2, compile + AC": (None, ["--nproc=2", "--accum-steps=2", "--compile",
+                                                    "--activation-checkpointing"]),
     "torchrun 1 rank, bf16": (1, ["--mixed-precision=bf16"]),
 }
 
@@ -51,8 +54,20 @@ def test_fsdp_on_n_ranks_equals_one_device(name, runs, reference, reference_val)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-def test_spawn_path_with_gradient_accumulation_equals_one_big_batch(runs, reference):
-    assert max_diff(succeeded(runs["spawn 2 ranks, accum 2"])[1], reference[1]) < TOL
+def test_spawn_path_with_accumulation_compile_and_checkpointing_equals_one_big_batch(
+        runs, reference):
+    out, weights = succeeded(runs["spawn 2 ranks, accum 2, compile + AC"])
+    assert max_diff(weights, reference[1]) < COMPILE_TOL
+    assert float(re.search(r"first step ([0-9.]+) s", out).group(1)) > 0
+
+
+def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_every_step(
+        runs):
+    """FSDP all-gathers each block's weights and reduce-scatters its gradients (over gloo,
+    which has no reduce-scatter, as an all-reduce). The run still equals one device (above)."""
+    assert_profiled(runs["torchrun 3 ranks"][1].parent / "trace", 3, "forward", "backward",
+                    "optimizer step", ("gloo:all_gather", "nccl:all_gather"),
+                    ("gloo:all_reduce", "nccl:reduce_scatter"))
 
 
 def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):

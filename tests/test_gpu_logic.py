@@ -4,7 +4,6 @@ and stage counts on 1-8 GPUs, the autocast type by compute capability, FSDP's me
 where a GPU is visible, weights saved as CPU tensors, and a clock that waits for every GPU."""
 
 import importlib
-import os
 import sys
 
 import pytest

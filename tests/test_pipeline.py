@@ -2,14 +2,16 @@
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
-                      launch_runs, logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
-                      refused_in_one_line, run_in_process, succeeded, summary_val_loss, torchrun)
+from conftest import (CUDA_JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+                      assert_profiled, launch_runs, logged_losses, max_diff, needs_2_gpus,
+                      needs_cuda, python, refused_in_one_line, run_in_process, succeeded,
+                      summary_val_loss, torchrun)
 
 
 
 RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule once, 2 and 3 stages once.
-    "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4"]),
+    "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4",
+                            "--profile={folder}/trace"]),  # traces steps 5-7
     "3 stages, 1f1b": (3, ["--schedule=1f1b", "--microbatches=4"]),
 }
 
@@ -50,6 +52,13 @@ def test_validation_through_the_stages_is_the_exact_mean_over_the_held_out_set(
         name, runs, reference_val):
     out = succeeded(runs[name])[0]
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+
+
+def test_profile_writes_a_trace_per_stage_with_every_micro_batch_and_the_sends(runs):
+    """The schedule marks each micro-batch's forward and backward; activations go down and
+    gradients up with send/recv. The run still equals one device (above)."""
+    assert_profiled(runs["2 stages, gpipe"][1].parent / "trace", 2, "Forward 3", "Backward 3",
+                    "optimizer step", ("gloo:send", "nccl:send"), ("gloo:recv", "nccl:recv"))
 
 
 def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error(as_torchrun, capsys):

@@ -3,8 +3,9 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_gpu_run_equals_oracle, load_saved,
-                      logged_losses, max_diff, needs_cuda, python, run_in_process, summary_val_loss)
+from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+                      load_saved, logged_losses, max_diff, needs_cuda, python, run_in_process,
+                      summary_val_loss)
 from reference import reference_train
 
 
@@ -32,6 +33,21 @@ def test_checkpoint_at_step_8_resumes_to_12_uninterrupted_steps(tmp_path):
     assert "resumed from" in out and "at step 8" in out
     _, expected, _ = reference_train(**dict(JOB, steps=12))
     assert max_diff(weights, expected) < TOL
+
+
+def test_activation_checkpointing_changes_no_weight(tmp_path):
+    """Recomputing a block's forward in backward repeats the same operations on the same
+    inputs: the same gradients, bit for bit."""
+    _, plain = run_in_process("single", [], tmp_path)
+    _, checkpointed = run_in_process("single", ["--activation-checkpointing"], tmp_path)
+    assert max_diff(checkpointed, plain) == 0.0
+
+
+def test_compiled_and_checkpointed_blocks_train_to_the_oracle(reference, tmp_path):
+    out, weights = run_in_process("single", ["--compile", "--activation-checkpointing"],
+                                  tmp_path)
+    assert max_diff(weights, reference[1]) < COMPILE_TOL
+    assert "first step" in out
 
 
 @needs_cuda

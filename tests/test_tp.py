@@ -3,8 +3,9 @@ trains to the same weights as one device; its checkpoints resume on another mesh
 holds its share; one TP forward and backward make exactly the theory's collectives; a TP group
 fed different data on its ranks would be caught."""
 
+import argparse
+import re
 import shutil
-import sys
 
 import pytest
 import torch
@@ -19,10 +20,15 @@ from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, REPO, TOL, VAL_TOL,
 RUNS = {  # name: (ranks under torchrun, or None for `python tp.py`; extra flags)
     # pure TP; also writes sharded checkpoints, continued on 4 ranks below
     "torchrun 2 ranks, tp 2": (2, ["--checkpoint={folder}/tp2", "--checkpoint-every=4"]),
-    # 2D: 2 TP groups of 2, FSDP across them; its checkpoint is continued as TP 2 below
-    "torchrun 4 ranks, 2D 2x2": (4, ["--tp=2", "--checkpoint={folder}/2d", "--checkpoint-every=4"]),
-    # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step
-    "spawn 2 ranks, tp 2, accum 2": (None, ["--nproc=2", "--accum-steps=2"]),
+    # 2D: 2 TP groups of 2, FSDP across them, with activation checkpointing; its checkpoint
+    # is continued as TP 2 below
+    "torchrun 4 ranks, 2D 2x2": (4, ["--tp=2", "--checkpoint={folder}/2d", "--checkpoint-every=4",
+                                     "--activation-checkpointing"]),
+    # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
+    # through compiled blocks that recompute their activations in backward
+    "spawn 2 ranks, tp 2, accum 2, compile + AC": (None, ["--nproc=2", "--accum-steps=2",
+                                                          "--compile",
+                                                          "--activation-checkpointing"]),
 }
 
 
@@ -32,7 +38,7 @@ def runs(tmp_path_factory):
 
 
 # TP on 4 ranks: see the resume test, which continues the 2-rank checkpoint on 4 ranks.
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", RUNS)  # (compiled: held to COMPILE_TOL, the same bound)
 def test_tp_and_2d_equal_one_device(name, runs, reference, reference_val):
     out, weights = succeeded(runs[name])  # --save: a plain state_dict, loaded strictly
     assert max_diff(weights, reference[1]) < TOL
@@ -69,6 +75,9 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
                                                                     abs=1e-3), name
 
 
+PLAIN = argparse.Namespace(activation_checkpointing=False, compile=False)  # tp.py's defaults
+
+
 @pytest.fixture
 def fake_group():
     """A process group of `world` ranks in this process, whose collectives do nothing (torch's
@@ -88,7 +97,7 @@ def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, fake
     import tp as tp_script
     mesh = fake_group(dp, tp)
     with torch.device("meta"):
-        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2), mesh)
+        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2), mesh, PLAIN)
     for name, p in model.named_parameters():
         share = p.to_local().numel() / p.numel() if hasattr(p, "to_local") else 1
         if ".up." in name or name.endswith("down.weight"):
@@ -103,7 +112,7 @@ def test_one_forward_and_backward_make_two_all_reduces_per_block(fake_group):
     from torch.distributed.tensor.debug import CommDebugMode
     import tp as tp_script
     blocks = 3
-    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks), fake_group(1, 2))
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks), fake_group(1, 2), PLAIN)
     x = torch.randn(8, 32, requires_grad=True)
     with CommDebugMode() as comm:
         out = model(x)
@@ -133,6 +142,11 @@ tp.main()
     out = succeeded((launch(*torchrun_cmd(2, wrapper, *JOB_FLAGS, f"--save={tmp_path}/w.pt")),
                      tmp_path / "w.pt"))
     assert max_diff(out[1], reference[1]) > 1000 * TOL
+
+
+def test_compiled_run_reports_its_first_step_apart(runs):
+    out = succeeded(runs["spawn 2 ranks, tp 2, accum 2, compile + AC"])[0]
+    assert float(re.search(r"first step ([0-9.]+) s", out).group(1)) > 0
 
 
 @pytest.mark.parametrize("world, flags, message", [

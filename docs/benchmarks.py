@@ -1,0 +1,169 @@
+"""Run the performance comparisons of docs/performance.md and print their tables.
+
+    python docs/benchmarks.py            # every table, every repetition (~10 minutes, 2 cores)
+    python docs/benchmarks.py tp ddp     # only these tables
+
+Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
+several ranks) at a size where the weights dominate, and reads samples/s from the summary line
+(after 3 warm-up steps). Commands of one row that belong together (the "ceiling": two
+independent one-rank runs of half the batch) run at the same time; rows run one after the
+other, alternating the contenders, so that the machine's drift hits them alike. A benchmark,
+not a test: nothing here asserts a speed.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = ["--hidden=512", "--blocks=2", "--steps=20", "--log-every=1000", "--eval-every=1000",
+        "--device=cpu"]  # 4.2 M parameters: a 16.8 MB gradient
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def torchrun(n, script, batch, *flags):
+    return [*TORCHRUN, f"--nproc_per_node={n}", script, *SIZE, f"--batch-size={batch}", *flags]
+
+
+def python(script, batch, *flags):
+    return [sys.executable, script, *SIZE, f"--batch-size={batch}", *flags]
+
+
+def rates(*commands):
+    """Run the commands at the same time; return each one's samples/s (and its summary)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(c, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL) for c in commands]
+    out = []
+    for proc in procs:
+        stdout, _ = proc.communicate(timeout=900)
+        line = next(l for l in stdout.splitlines() if l.startswith("done | "))
+        out.append((float(re.search(r"\| ([0-9.]+) samples/s", line).group(1)), line))
+    return out
+
+
+def table(title, header, rows):
+    print(f"\n**{title}**\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+def ddp(reps=3):
+    rows = []
+    for batch in (1024, 2048):
+        for _ in range(reps):
+            (one, _), = rates(torchrun(1, "ddp.py", batch))
+            (two, _), = rates(torchrun(2, "ddp.py", batch))
+            ceiling = sum(r for r, _ in rates(torchrun(1, "ddp.py", batch // 2),
+                                              torchrun(1, "ddp.py", batch // 2)))
+            rows.append([str(batch), f"{one:.0f}", f"{two:.0f}", f"{ceiling:.0f}",
+                         f"{ceiling / one:.2f}x", f"{two / ceiling:.0%}"])
+    table("DDP against the ceiling (samples/s)", ["global batch", "1 rank", "DDP, 2 ranks",
+          "ceiling (2 independent)", "ceiling / 1 rank", "DDP / ceiling"], rows)
+
+
+def tp(reps=2):
+    rows = []
+    for batch in (256, 1024, 4096):
+        for _ in range(reps):
+            (d, _), = rates(torchrun(2, "ddp.py", batch))
+            (t, _), = rates(torchrun(2, "tp.py", batch))
+            ceiling = sum(r for r, _ in rates(torchrun(1, "ddp.py", batch // 2),
+                                              torchrun(1, "ddp.py", batch // 2)))
+            # bytes each moves per step, in theory: TP all-reduces a B x H activation twice per
+            # block (forward, backward); DDP all-reduces the gradient once.
+            tp_mb, ddp_mb = 2 * 2 * batch * 512 * 4 / 1e6, 4.2e6 * 4 / 1e6
+            rows.append([str(batch), f"{d:.0f}", f"{t:.0f}", f"{ceiling:.0f}", f"{t / d:.0%}",
+                         f"{t / ceiling:.0%}", f"{tp_mb:.1f}", f"{ddp_mb:.1f}"])
+    table("TP against DDP and the ceiling, 2 ranks (samples/s)", [
+        "global batch", "DDP", "TP", "ceiling", "TP / DDP", "TP / ceiling",
+        "TP MB/step (theory)", "DDP MB/step (theory)"], rows)
+
+
+def fsdp(reps=3):
+    rows = []
+    for i in range(reps):
+        (d, _), = rates(torchrun(2, "ddp.py", 2048))
+        (f, line), = rates(torchrun(2, "fsdp.py", 2048))
+        state = re.search(r"state ([0-9.]+ MiB/rank)", line).group(1)
+        rows.append([str(i + 1), f"{d:.0f}", f"{f:.0f}", f"{f / d:.0%}", state])
+    table("FSDP against DDP, 2 ranks, batch 2048 (samples/s)",
+          ["repetition", "DDP", "FSDP", "FSDP / DDP", "FSDP state per rank"], rows)
+
+
+def pipeline(reps=2):
+    rows = []
+    for i in range(reps):
+        (mp, _), = rates(python("pipeline.py", 1024, "--stages=2"))
+        (g, _), = rates(torchrun(2, "pipeline.py", 1024, "--schedule=gpipe"))
+        (f, _), = rates(torchrun(2, "pipeline.py", 1024, "--schedule=1f1b"))
+        rows.append([str(i + 1), f"{mp:.0f}", f"{g:.0f}", f"{f:.0f}", f"{g / (2 * mp):.0%}",
+                     f"{f / (2 * mp):.0%}"])
+    table("Pipeline against model parallelism, 2 stages, batch 1024, 4 micro-batches "
+          "(samples/s)", ["repetition", "model parallel (1 process)", "GPipe", "1F1B",
+                          "GPipe / (2 x model parallel)", "1F1B / (2 x model parallel)"], rows)
+
+
+def dataparallel(reps=2):
+    rows = []
+    for i in range(reps):
+        (s, _), = rates(python("single.py", 1024))
+        (d, _), = rates(python("dataparallel.py", 1024))
+        (r, _), = rates(torchrun(1, "ddp.py", 1024))
+        rows.append([str(i + 1), f"{s:.0f}", f"{d:.0f}", f"{r:.0f}"])
+    table("One device: single.py, DataParallel and one DDP rank, batch 1024 (samples/s)",
+          ["repetition", "single.py", "dataparallel.py", "ddp.py, 1 rank"], rows)
+
+
+def checkpointing(reps=2):
+    """Activation checkpointing where activations dominate: a narrow, deep model on a large
+    batch (32 blocks of 64 -> 256 -> 64; 4096 samples per rank). Expected activation bytes:
+    each block keeps its input, up's output and relu's output for backward, 9 x 64 floats per
+    sample (9.4 MB per block per rank, 302 MB for 32 blocks); with checkpointing only the
+    input (1 MB per block) and one block's recomputation at a time."""
+    flags = ["--hidden=64", "--blocks=32", "--steps=8", "--batch-size=8192",
+             "--log-every=1000", "--eval-every=1000", "--device=cpu"]
+    rows = []
+    for script in ("ddp.py", "fsdp.py"):
+        for _ in range(reps):
+            for ac in ([], ["--activation-checkpointing"]):
+                (rate, line), = rates([*TORCHRUN, "--nproc_per_node=2", script, *flags, *ac])
+                ms = float(re.search(r"([0-9.]+) ms/step", line).group(1))
+                peak = float(re.search(r"peak mem ([0-9.]+) MiB", line).group(1))
+                rows.append([script, "on" if ac else "off", f"{rate:.0f}", f"{ms:.0f}",
+                             f"{peak:.0f}"])
+    table("Activation checkpointing, 2 ranks, 32 blocks of hidden 64, batch 8192 "
+          "(peak RSS of rank 0's process)", ["script", "checkpointing", "samples/s", "ms/step",
+                                             "peak MiB"], rows)
+
+
+def compiled(reps=2):
+    """torch.compile of each block, at the default size and at the performance size: samples/s
+    (after 3 warm-up steps) and the first step, which pays the compile."""
+    rows = []
+    sizes = {"default (hidden 64 x 4, batch 64)": ["--steps=60", "--log-every=1000",
+                                                   "--eval-every=1000", "--device=cpu"],
+             "performance (hidden 512 x 2, batch 1024)": [*SIZE, "--batch-size=1024"]}
+    for size, flags in sizes.items():
+        for _ in range(reps):
+            for compile_ in ([], ["--compile"]):
+                (rate, line), = rates([*TORCHRUN, "--nproc_per_node=2", "ddp.py", *flags,
+                                       *compile_])
+                first = float(re.search(r"first step ([0-9.]+) s", line).group(1))
+                rows.append([size, "compiled" if compile_ else "eager", f"{rate:.0f}",
+                             f"{first:.2f}"])
+    table("torch.compile, ddp.py on 2 ranks", ["size", "mode", "samples/s", "first step (s)"],
+          rows)
+
+
+TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
+          "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled}
+
+if __name__ == "__main__":
+    import torch
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, size: {' '.join(SIZE)}")
+    for name in sys.argv[1:] or TABLES:
+        TABLES[name]()

@@ -1,0 +1,274 @@
+"""Make the README's pictures from real runs of the scripts: nothing here is drawn by hand.
+
+    pip install -r docs/requirements.txt
+    python docs/figures.py            # every figure into docs/ (about 6 minutes on 2 cores)
+    python docs/figures.py --quick    # the same figures from shorter runs (what CI checks)
+
+proof.png      training and validation loss against step for every strategy, and the largest
+               weight difference from the one-device run against step (log scale).
+drift.png      1 rank against 2 ranks over a long run, several seeds: where rounding stays,
+               and where Adam and ReLU amplify it (docs/drift.md).
+timeline.png   one training step of every rank, from `--profile` traces: compute and
+               communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
+
+Each run is launched as a user would (python X.py / torchrun), with OMP_NUM_THREADS=1.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+from common import SimpleModel, make_dataset  # noqa: E402
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+# label: (launcher prefix, script, flags): every strategy, on the defaults of the scripts
+STRATEGIES = {
+    "one device (single.py)": ([sys.executable], "single.py", []),
+    "DataParallel": ([sys.executable], "dataparallel.py", []),
+    "DDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "ddp.py", []),
+    "DDP, 4 ranks": ([*TORCHRUN, "--nproc_per_node=4"], "ddp.py", []),
+    "FSDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "fsdp.py", []),
+    "pipeline GPipe, 2 stages": ([*TORCHRUN, "--nproc_per_node=2"], "pipeline.py",
+                                 ["--schedule=gpipe"]),
+    "pipeline 1F1B, 2 stages": ([*TORCHRUN, "--nproc_per_node=2"], "pipeline.py",
+                                ["--schedule=1f1b"]),
+    "TP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "tp.py", []),
+    "2D, 2 x 2": ([*TORCHRUN, "--nproc_per_node=4"], "tp.py", ["--tp=2"]),
+    "AMP bf16": ([sys.executable], "amp.py", ["--dtype=bf16"]),
+}
+
+
+def launch(prefix, script, flags):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([*prefix, script, "--device=cpu", *flags], cwd=REPO, env=env,
+                            text=True, capture_output=True, timeout=900)
+    if result.returncode:
+        raise SystemExit(f"{script} {' '.join(flags)} failed:\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def proof(steps, checkpoints, folder):
+    """Loss curves of every strategy over `steps`, and the weight difference from one device
+    after each of `checkpoints` steps (a run of that many steps, saved)."""
+    curves, diffs = {}, {}
+    for label, (prefix, script, flags) in STRATEGIES.items():
+        for n in checkpoints:
+            out = launch(prefix, script, [*flags, f"--steps={n}", "--log-every=1",
+                                          f"--eval-every={max(1, steps // 20)}",
+                                          f"--save={folder}/{script}{len(flags)}{n}.pt"])
+            if n == steps:
+                losses = [(int(s), float(x)) for s, x in re.findall(
+                    r"^step +(\d+)/\d+ \| loss ([0-9.]+)", out, re.M)]
+                val = [(int(s), float(x)) for s, x in re.findall(
+                    r"^eval +(\d+)/\d+ \| val loss ([0-9.]+)", out, re.M)]
+                curves[label] = losses, val
+        print(f"proof: {label} done", flush=True)
+    one = "one device (single.py)"
+    for label, (prefix, script, flags) in STRATEGIES.items():
+        if label != one:
+            diffs[label] = [max_diff(weights(f"{folder}/{script}{len(flags)}{n}.pt"),
+                                     weights(f"{folder}/single.py0{n}.pt")) for n in checkpoints]
+
+    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = plt.cm.tab10.colors
+    for (label, (losses, val)), color in zip(curves.items(), colors):
+        ax_loss.plot(*zip(*losses), color=color, lw=1, alpha=0.8, label=label)
+        ax_loss.plot(*zip(*val), color=color, lw=2.2, ls="--")
+    ax_loss.set(xlabel="optimizer step", ylabel="mean squared error", yscale="log",
+                title="Every strategy trains the same run\n(solid: training loss of the step's "
+                      "batch; dashed: validation loss)")
+    ax_loss.legend(fontsize=7, ncol=2)
+    for (label, d), color in zip(diffs.items(), colors[1:]):
+        ax_diff.plot(checkpoints, [max(v, 1e-10) for v in d], marker="o", color=color,
+                     label=label)
+    ax_diff.axhline(1e-6, color="gray", ls=":", lw=1)
+    ax_diff.text(checkpoints[0], 1.3e-6, "the tests' bound (after 8 steps)", fontsize=7,
+                 color="gray")
+    ax_diff.set(xlabel="optimizer step", ylabel="max |weight - one device's| (0 drawn at 1e-10)",
+                xscale="log", yscale="log", ylim=(5e-11, 1),
+                title="Weights: equal to the last bits, then rounding grows\n(fp32; bf16 "
+                      "rounds every matmul)")
+    ax_diff.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{len(STRATEGIES)} strategies, the scripts' defaults (batch 64, SimpleModel "
+                 f"hidden 64 x 4 blocks), {cpu_name()}, torch {torch.__version__}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "proof.png"), dpi=110)
+    return {label: d[-1] for label, d in diffs.items()}
+
+
+def drift(steps, seeds, batch=28, lr=0.01):
+    """1 rank against 2 ranks, step by step: the same arithmetic as ddp.py (2 ranks: the mean
+    of two per-rank mean gradients over every other sample, which tests/test_ddp_failures.py
+    proves bit-identical to `torchrun --nproc_per_node=2 ddp.py`)."""
+    x, y = make_dataset().tensors
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    finals = {}
+    for seed in seeds:
+        torch.manual_seed(seed)
+        one = SimpleModel()
+        two = SimpleModel()
+        two.load_state_dict(one.state_dict())
+        opts = [torch.optim.Adam(m.parameters(), lr=lr) for m in (one, two)]
+        per_epoch, diffs = len(x) // batch, []
+        for step in range(steps):
+            epoch, k = divmod(step, per_epoch)
+            if k == 0:
+                order = torch.randperm(len(x), generator=torch.Generator().manual_seed(
+                    seed + epoch))
+            b = order[k * batch:(k + 1) * batch]
+            for opt in opts:
+                opt.zero_grad()
+            F.mse_loss(one(x[b]), y[b]).backward()
+            grads = [torch.autograd.grad(F.mse_loss(two(x[b[r::2]]), y[b[r::2]]),
+                                         list(two.parameters())) for r in range(2)]
+            for p, g0, g1 in zip(two.parameters(), *grads):
+                p.grad = g0 / 2 + g1 / 2
+            for opt in opts:
+                opt.step()
+            diffs.append(max((p - q).abs().max().item()
+                             for p, q in zip(one.parameters(), two.parameters())))
+        finals[seed] = diffs
+        ax.plot(range(1, steps + 1), [max(d, 1e-10) for d in diffs], lw=1,
+                label=f"seed {seed}")
+    ax.axhline(1e-6, color="gray", ls=":", lw=1)
+    ax.set(xlabel="optimizer step", ylabel="max |weight, 1 rank - weight, 2 ranks|",
+           yscale="log", ylim=(1e-9, 1),
+           title=f"1 rank against 2 ranks: the same math, another summation order\n"
+                 f"(ddp.py's arithmetic, batch {batch}, Adam lr {lr}; {cpu_name()}, "
+                 f"torch {torch.__version__})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "drift.png"), dpi=110)
+    return finals
+
+
+def trace_rows(folder):
+    """Per rank: (name, start, duration, kind) of one recorded step, times relative to it."""
+    rows = {}
+    for name in sorted(os.listdir(folder)):
+        rank = int(re.search(r"rank(\d+)", name).group(1))
+        with open(os.path.join(folder, name)) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")),
+                       key=lambda e: e["ts"])
+        step = steps[len(steps) // 2]  # the middle recorded step
+        t0, t1 = step["ts"], step["ts"] + step["dur"]
+        spans = []
+        for e in events:
+            if not t0 <= e["ts"] < t1:
+                continue
+            kind = event_kind(e["name"])
+            if kind:
+                spans.append((e["name"], (e["ts"] - t0) / 1e3, e["dur"] / 1e3, kind))
+        rows[rank] = (spans, step["dur"] / 1e3)
+    return rows
+
+
+COMM = re.compile(r"all_reduce|allreduce|all_gather|allgather|reduce_scatter|reducescatter|"
+                  r"send|recv|broadcast", re.I)
+
+
+def event_kind(name):
+    if name.startswith(("gloo:", "nccl:", "c10d::")) or COMM.search(name) and not \
+            name.startswith(("aten::", "Optimizer")):
+        return "communication"
+    if name in ("forward", "optimizer step") or re.fullmatch(r"Forward \d+", name):
+        return "forward" if "orward" in name else "optimizer"
+    if name == "backward" or re.fullmatch(r"Backward \d+", name):
+        return "backward"
+    return None
+
+
+def timelines(folder, batch):
+    runs = {
+        "DDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "ddp.py", []),
+        "FSDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "fsdp.py", []),
+        "pipeline GPipe, 2 stages, 4 micro-batches": ([*TORCHRUN, "--nproc_per_node=2"],
+                                                      "pipeline.py", ["--schedule=gpipe"]),
+        "pipeline 1F1B, 2 stages, 4 micro-batches": ([*TORCHRUN, "--nproc_per_node=2"],
+                                                     "pipeline.py", ["--schedule=1f1b"]),
+    }
+    colors = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2",
+              "communication": "#dd8452"}
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 1.3 * len(runs)))
+    for ax, (label, (prefix, script, flags)) in zip(axes, runs.items()):
+        out = os.path.join(folder, re.sub(r"\W+", "_", label))
+        launch(prefix, script, [*flags, "--steps=8", f"--batch-size={batch}",
+                                "--hidden=256", f"--profile={out}"])
+        rows = trace_rows(out)
+        for rank, (spans, _) in rows.items():
+            for kind in ("forward", "backward", "optimizer", "communication"):
+                bars = [(start, dur) for _, start, dur, k in spans if k == kind]
+                height = 0.35 if kind == "communication" else 0.7
+                ax.broken_barh(bars, (rank - height / 2, height), color=colors[kind])
+        ax.set_yticks(list(rows), [f"rank {r}" for r in rows])
+        ax.invert_yaxis()
+        ax.set_title(f"{label}: one step (ms)", fontsize=9, loc="left")
+        ax.set_xlim(0, max(total for _, total in rows.values()))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0].legend(handles, list(colors), fontsize=7, ncol=4, loc="upper right")
+    axes[-1].set_xlabel("milliseconds since the start of the step")
+    fig.suptitle(f"Where a step's time goes, per rank (torch.profiler, --profile; batch {batch}, "
+                 f"hidden 256; {cpu_name()}, gloo)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "timeline.png"), dpi=110)
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = re.search(r"model name\s*: (.*)", f.read()).group(1).strip()
+    except (OSError, AttributeError):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="shorter runs (what CI checks): the same figures, less history")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        if args.quick:
+            proof_finals = proof(8, [1, 8], folder)
+            drift_finals = drift(60, [0, 1])
+            timelines(folder, batch=256)
+        else:
+            proof_finals = proof(200, [1, 3, 10, 30, 100, 200], folder)
+            drift_finals = drift(1500, [0, 1, 2, 3, 29])
+            timelines(folder, batch=1024)
+    print("max weight difference from one device at the last step:")
+    for label, d in proof_finals.items():
+        print(f"  {label}: {d:.1e}")
+    for seed, d in drift_finals.items():
+        marks = {s: d[s - 1] for s in (10, 50, 150, 300, 1000, len(d)) if s <= len(d)}
+        print(f"drift seed {seed}: " + ", ".join(f"step {s} {v:.1e}" for s, v in marks.items()))
+    print("wrote", ", ".join(os.path.join("docs", f) for f in ("proof.png", "drift.png",
+                                                                "timeline.png")))
+
+
+if __name__ == "__main__":
+    main()
