@@ -13,7 +13,7 @@ from conftest import (initial_val_loss, launch_together, logged_losses, logged_v
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
 SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline"]
-# The multi-process ones are launched as the README says; the single-process ones run their
+# The multi-process ones are launched as the docstrings say; the single-process ones run their
 # main() in this process (the same code as `python X.py`, without seconds of torch imports for
 # a new process). The pipelined stages (torchrun pipeline.py) are proven on JOB by
 # tests/test_pipeline.py. Defaults all, except --device=cpu: "auto" would pick a GPU where
