@@ -269,8 +269,8 @@ def train(args, rank, world_size, device):
     for block in model.blocks.values():
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here up's and relu's outputs: 8 of every 9 activation bytes of a
-            # block), at about one more forward's compute. Non-reentrant, the current
+            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
+            # block keeps for backward), at about one more forward's compute. Non-reentrant, the current
             # implementation. It wraps the forward, not the module, so the parameter names
             # stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

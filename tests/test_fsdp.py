@@ -26,8 +26,8 @@ BF16_REL_TOL = 0.01
 RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra flags)
     # also writes a sharded checkpoint every 4 steps: the resume test continues from it
     "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt", "--checkpoint-every=4"]),
-    "torchrun 3 ranks": (3, ["--profile={folder}/trace"]),  # traces steps 5-7
-    "torchrun 4 ranks": (4, ["--activation-checkpointing"]),  # recomputes inside the shards
+    # uneven shards (32 rows as 11, 11, 10); recomputes inside them; traces steps 5-7
+    "torchrun 3 ranks": (3, ["--activation-checkpointing", "--profile={folder}/trace"]),
     # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
     # through compiled blocks that recompute their activations in backward
     "spawn 2 ranks, accum 2, compile + AC": (None, ["--nproc=2", "--accum-steps=2", "--compile",
@@ -46,7 +46,7 @@ def state_mib(stdout):
 
 
 # One rank: see the resume test, which continues on 1 (and 3) ranks to the oracle's weights.
-@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks", "torchrun 4 ranks"])
+@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks"])
 def test_fsdp_on_n_ranks_equals_one_device(name, runs, reference, reference_val):
     out, weights = succeeded(runs[name])  # --save: a plain state_dict, loaded strictly
     assert max_diff(weights, reference[1]) < TOL
@@ -71,11 +71,13 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_
 
 
 def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):
-    two, four = (state_mib(succeeded(runs[n])[0]) for n in ("torchrun 2 ranks", "torchrun 4 ranks"))
-    assert four == pytest.approx(two / 2, rel=0.01)
-    # weights + gradients + Adam's two moments: 4 fp32 numbers per parameter, over 2 ranks
+    # (bf16 computes in bf16 copies; the sharded weights and Adam's state stay fp32)
+    one, two = (state_mib(succeeded(runs[n])[0]) for n in ("torchrun 1 rank, bf16",
+                                                          "torchrun 2 ranks"))
+    assert two == pytest.approx(one / 2, rel=0.01)
+    # weights + gradients + Adam's two moments: 4 fp32 numbers per parameter
     n_params = sum(v.numel() for v in reference_state().values())
-    assert two == pytest.approx(16 * n_params / 2 / 2**20, abs=1e-3)
+    assert one == pytest.approx(16 * n_params / 2**20, abs=1e-3)
 
 
 def reference_state():
