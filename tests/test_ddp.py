@@ -84,14 +84,12 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_all_reduce_of_e
                     "optimizer step", ("gloo:all_reduce", "nccl:all_reduce"))
 
 
-def test_checkpoint_from_2_ranks_resumes_on_1_and_on_3_ranks(runs, tmp_path):
-    """The 2-rank run's checkpoint (step 8), continued to step 12 on 1 and on 3 ranks, ends
-    with the weights of 12 uninterrupted steps on one device."""
-    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt.pt"
-    for nproc in (1, 3):
-        shutil.copy(ckpt, tmp_path / f"c{nproc}.pt")
-    assert_checkpoints_resume_to_the_oracle(
-        "ddp.py", {nproc: tmp_path / f"c{nproc}.pt" for nproc in (1, 3)}, tmp_path, TOL)
+def test_checkpoint_from_2_ranks_resumes_on_1_rank(runs, tmp_path):
+    """The 2-rank run's checkpoint (step 8), continued to step 12 on 1 rank, ends with the
+    weights of 12 uninterrupted steps on one device (and proves 1-rank DDP too). On 3 ranks:
+    fsdp.py's resume test; the checkpoint does not depend on the world size in either."""
+    shutil.copy(runs["torchrun 2 ranks"][1].parent / "ckpt.pt", tmp_path / "c1.pt")
+    assert_checkpoints_resume_to_the_oracle("ddp.py", {1: tmp_path / "c1.pt"}, tmp_path, TOL)
 
 
 def test_spawn_path_with_activation_checkpointing_equals_torchrun_without_bit_for_bit(runs):
