@@ -144,9 +144,9 @@ def train(args, device):
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
             # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant, the current
-            # implementation. It wraps the forward, not the module, so the parameter names
-            # stay SimpleModel's and checkpoints and --save load with or without it.
+            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the current implementation. It wraps the forward, not the module, so parameter
+            # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         if args.compile:
             # In place (Module.compile): the same module and parameter names, no "_orig_mod."

@@ -24,7 +24,6 @@ RUNS = {  # one rank: see the resume test, which continues on 1 (and 3) ranks
     # also writes a checkpoint every 4 steps: the resume test below continues from it
     "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4",
                              "--profile={folder}/trace"]),  # and traces steps 5-7
-    "torchrun 3 ranks": (3, []),
     # activation checkpointing recomputes the same operations: the same weights, bit for bit
     "spawn 2 ranks, AC": (None, ["--nproc=2", "--activation-checkpointing"]),
     "torchrun 2 ranks, accum 3, compile + AC": (2, ["--accum-steps=3", "--compile",
@@ -41,7 +40,9 @@ def weights(runs, name):
     return succeeded(runs[name])[1]
 
 
-@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks"])
+# 1 rank: the resume test continues on 1 rank. 3 ranks (the held-out set pads): fsdp.py's and
+# the test below, which shows what the padding would do to a naive average.
+@pytest.mark.parametrize("name", ["torchrun 2 ranks"])
 def test_ddp_on_n_ranks_equals_one_device(name, runs, reference):
     assert max_diff(weights(runs, name), reference[1]) < TOL
 
@@ -52,7 +53,7 @@ def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference
     assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks", "spawn 2 ranks, AC"])
+@pytest.mark.parametrize("name", ["torchrun 2 ranks", "spawn 2 ranks, AC"])
 def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_n_ranks(
         name, runs, reference_val):
     out = succeeded(runs[name])[0]

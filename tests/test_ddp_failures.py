@@ -121,9 +121,8 @@ DISTRIBUTED_BAD_FLAGS = [
     ("pipeline", ["--backend=mpi"], "--backend: invalid choice: 'mpi'"),
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
     ("pipeline", ["--backend=nccl", "--device=cpu"], "stages send CPU tensors, which only gloo"),
-    ("ddp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
-    ("amp", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
-    ("single", ["--checkpoint=/no/such/folder/c.pt"], "--checkpoint /no/such/folder/c.pt: its folder"),
+    *[(script, ["--checkpoint=/no/such/c.pt"], "--checkpoint /no/such/c.pt: its folder")
+      for script in ("single", "ddp", "amp")],
 ])
 def test_bad_distributed_flags_are_refused_in_one_line(script, flags, message, capsys,
                                                        as_torchrun):
