@@ -1,16 +1,18 @@
-"""Model parallelism and pipeline parallelism: cut SimpleModel into stages, one per device.
+"""Pipeline parallelism and model parallelism: cut SimpleModel into stages, one per device.
 
 What it teaches
     When a model does not fit on one device, cut its layers into consecutive stages and put
     each stage on its own device. Two ways, one file:
-    - `python pipeline.py`: model parallelism in one process. Activations travel from stage
-      to stage inside forward (`x.to(next_device)`), and autograd carries the gradients back.
-      Only one stage works at a time, so with S stages each GPU idles (S-1)/S of the time.
-    - `torchrun --nproc_per_node=2 pipeline.py`: pipeline parallelism with
-      torch.distributed.pipelining. One process per stage; the batch is cut into
+    - `python pipeline.py` or `torchrun --nproc_per_node=2 pipeline.py`: pipeline parallelism
+      with torch.distributed.pipelining. One process per stage; the batch is cut into
       micro-batches that flow through the stages like an assembly line, so the stages work
       at the same time on different micro-batches. Idle time shrinks to the "bubble" below.
-    Both end with the same weights as one device with the same global batch (tests/).
+    - `python pipeline.py --nproc 1`: model parallelism in one process. Activations travel
+      from stage to stage inside forward (`x.to(next_device)`), and autograd carries the
+      gradients back. Only one stage works at a time, so with S stages each GPU idles (S-1)/S
+      of the time.
+    Both end with the same weights as one device with the same global batch (tests/), and
+    write the same checkpoint as single.py: it resumes on any number of stages, or in single.py.
 
     `torch.distributed.pipeline.sync.Pipe`, which many guides still show, is gone: it was
     deprecated in PyTorch 2.3 and removed in 2.4 (pytorch/pytorch#121464, #127354).
@@ -42,9 +44,12 @@ When not
     with fast links, sharding (FSDP) is often the easier way to fit a large model.
 
 Launch
-    python pipeline.py                              # model parallel: stages on cuda:0, cuda:1...
-    torchrun --nproc_per_node=2 pipeline.py         # pipeline: 2 stages, GPipe, 4 micro-batches
+    python pipeline.py                         # starts its stages: one per GPU, or 2 on a CPU
+    torchrun --nproc_per_node=2 pipeline.py    # what clusters use; same flags after the script
     torchrun --nproc_per_node=3 pipeline.py --schedule 1f1b --microbatches 6
+    python pipeline.py --nproc 1 --stages 2    # model parallel: one process drives 2 stages
+    # survive a crash: torchrun restarts the group, which resumes from the checkpoint
+    torchrun --nproc_per_node=2 --max-restarts=3 pipeline.py --checkpoint ckpt.pt
     Smallest hardware: any CPU (stages share it; pipeline ranks talk over gloo).
 
 What changes from data parallelism
@@ -59,19 +64,25 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 import argparse
 import copy
 import datetime
+import functools
+import itertools
 import os
+import shutil
+import socket
 import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
-from common import eval_line, log_line, make_dataset, num_params, positive, print0, save_atomic
-from common import seed_everything
+from common import eval_line, fail, log_line, make_dataset, num_params, positive, print0
+from common import save_atomic, seed_everything
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -92,12 +103,12 @@ def parse_args(argv=None):
     model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
     pipe = parser.add_argument_group("pipeline")
     pipe.add_argument("--stages", type=positive(int), default=None,
-                      help="model parallel only (under torchrun: the world size); "
-                           "default: the number of GPUs, or 2")
+                      help="stages of the one process of --nproc 1 (default: one per GPU, or "
+                           "2); with more ranks, every rank is a stage")
     pipe.add_argument("--microbatches", type=positive(int), default=4,
-                      help="micro-batches per step (torchrun only)")
+                      help="micro-batches per step: the gradient accumulation of the pipeline")
     pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe",
-                      help="order of forwards and backwards (torchrun only)")
+                      help="order of the micro-batches' forwards and backwards")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
@@ -107,7 +118,10 @@ def parse_args(argv=None):
                           help="drop each block's activations after forward and recompute "
                                "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL when every rank has a GPU of its own, else gloo")
+                          help="auto: NCCL for GPU stages, gloo for CPU ones")
+    hardware.add_argument("--nproc", type=positive(int), default=None,
+                          help="stages to start without torchrun, one process each (default: "
+                               "one per GPU, or 2 on a CPU); 1: model parallelism")
     hardware.add_argument("--timeout", type=positive(float), default=60.0,
                           help="seconds a send/recv may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
@@ -115,23 +129,46 @@ def parse_args(argv=None):
     output.add_argument("--profile", metavar="DIR",
                         help="write a Chrome trace of steps 5-7 per rank into DIR "
                              "(torch.profiler; open in ui.perfetto.dev)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="resume from PATH if it exists; write model, optimizer, step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    if args.compile or args.activation_checkpointing:
-        # Both work per stage in principle; this file keeps to the pipeline itself.
-        parser.error("--compile and --activation-checkpointing are not shown with pipelining "
-                     "here; see single.py, ddp.py, fsdp.py or tp.py")
+    if args.compile:
+        try:  # on a Python it does not support, torch.compile says so at once
+            torch.compile(lambda: None)
+        except RuntimeError as e:
+            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
+                         "--compile")
+        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
+            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
+                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
     gpus = torch.cuda.device_count() if use_cuda else 0
-    if "RANK" in os.environ:  # torchrun: one stage per rank
-        stages = int(os.environ["WORLD_SIZE"])
+    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
+        world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-        if stages < 2:
-            parser.error("pipeline parallelism needs 2 or more ranks "
-                         "(torchrun --nproc_per_node=2 ...); for one process run "
-                         "`python pipeline.py`")
+    else:
+        if args.nproc is None:
+            # One stage per GPU (2 on a CPU), but never more stages than blocks: on 8 GPUs
+            # --blocks 4 makes 4 stages; --blocks 8 would use all 8.
+            args.nproc = min(gpus or 2, args.blocks)
+            if args.nproc < gpus:
+                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, one stage "
+                      f"per block; pass --blocks {gpus} to use all", flush=True)
+        world_size = local_world = args.nproc
+    if world_size == 1:
+        # One process drives every stage (model parallelism): one per GPU, at least 2 (to
+        # show the cut), at most one per block.
+        args.stages = args.stages or min(max(gpus, 2), args.blocks)
+    elif args.stages not in (None, world_size):
+        parser.error(f"--stages {args.stages}: with {world_size} ranks every rank is a stage; "
+                     "drop --stages, or use --nproc 1 for stages in one process")
+    else:
+        args.stages = world_size
         if use_cuda and local_world > gpus:
             # DDP's gloo fallback (ranks sharing a GPU) does not carry over: gloo sends and
             # receives CPU tensors only, and a stage's activations live on its GPU.
@@ -145,59 +182,69 @@ def parse_args(argv=None):
         if args.batch_size % args.microbatches:
             parser.error(f"--microbatches {args.microbatches} must divide --batch-size "
                          f"{args.batch_size} (micro-batches of equal size); pick a divisor")
-        if args.schedule == "1f1b" and args.microbatches < stages:
-            parser.error(f"--schedule 1f1b needs --microbatches >= stages ({stages}); "
-                         f"use --microbatches {stages} or more")
-    else:
-        # One stage per GPU (at least 2, to show the cut), but never more than the blocks:
-        # 8 GPUs and --blocks 4 make 4 stages; pass --blocks 8 to use all 8.
-        stages = args.stages = args.stages or min(max(gpus, 2), args.blocks)
-    if stages > args.blocks:
+        if args.schedule == "1f1b" and args.microbatches < world_size:
+            parser.error(f"--schedule 1f1b needs --microbatches >= stages ({world_size}); "
+                         f"use --microbatches {world_size} or more")
+    if args.stages > args.blocks:
         # Every stage gets at least one block (input layer on the first, output on the last).
-        parser.error(f"{stages} stages but --blocks {args.blocks}: every stage needs a block; "
-                     f"use --blocks {stages} or more, or fewer stages")
+        parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
+                     f"block; use --blocks {args.stages} or more, or fewer stages")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
-    if args.save and not os.access(os.path.dirname(os.path.abspath(args.save)), os.W_OK):
-        parser.error(f"--save {args.save}: its folder does not exist or is not writable; "
-                     "create it first")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
     return args
 
 
 def setup(args):
-    """Return this process's rank, the number of ranks, and the device of each local stage."""
+    """Join the process group; return this process's rank, the world size and the device of
+    every stage it drives (one, unless it is the only process)."""
+    rank = int(os.environ["RANK"])  # which stage this process runs
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist. parse_args checked that every stage has a GPU of its own.
+        device = torch.device("cuda", local_rank)
+        # Before init_process_group: NCCL binds to the *current* device, and without this
+        # every rank would create its context and buffers on cuda:0.
+        torch.cuda.set_device(device)
         # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
-    if "RANK" not in os.environ:
-        # Model parallelism: this one process drives every stage.
-        gpus = torch.cuda.device_count() if use_cuda else 0
-        devices = [torch.device("cuda", i % gpus) if gpus else torch.device("cpu")
-                   for i in range(args.stages)]
-        print(f"pipeline: model parallel | {args.stages} stages on "
-              f"{', '.join(map(str, devices))} | torch {torch.__version__}", flush=True)
-        if len(set(devices)) < len(devices):
-            print("pipeline: fewer devices than stages, so stages share a device: the code "
-                  "path is the same, the memory relief is not", flush=True)
-        return 0, 1, devices
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    if use_cuda:
-        # LOCAL_RANK, not RANK, picks the GPU (RANK counts over all machines).
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # before init_process_group: NCCL binds to it
     else:
         device = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"  # parse_args checked that every stage has a GPU
-    # The timeout turns a dead peer into an error instead of a send/recv that waits forever.
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if backend == "nccl" else None)
-    print0(f"pipeline: {world_size} stages | schedule {args.schedule} | {args.microbatches} "
-           f"micro-batches | backend {backend} | device {device.type} | torch {torch.__version__}")
-    return rank, world_size, [device]
+    backend = "nccl" if use_cuda else "gloo"  # the tensors the stages send live on `device`
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
+        # group reads the dead attempt's addresses (docs/traps.md#restarts).
+        store = dist.PrefixStore(
+            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=False, timeout=timeout))
+    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
+    # job that waits forever (the default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    if world_size > 1:
+        print0(f"pipeline: {world_size} stages | schedule {args.schedule} | "
+               f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
+               f"torch {torch.__version__}")
+        return rank, world_size, [device]
+    # The only process: model parallelism, the stages on devices of their own where it can.
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    devices = [torch.device("cuda", i % gpus) if gpus else device for i in range(args.stages)]
+    print(f"pipeline: model parallel | {args.stages} stages on {', '.join(map(str, devices))} | "
+          f"torch {torch.__version__}", flush=True)
+    if len(set(devices)) < len(devices):
+        print("pipeline: fewer devices than stages, so stages share a device: the code "
+              "path is the same, the memory relief is not", flush=True)
+    return rank, world_size, devices
 
 
 def cut(model, stage, stages):
@@ -266,18 +313,39 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
 
 
 def train(args, rank, world_size, devices):
-    """Train; return the full model's final weights (on rank 0), the final loss and the final
-    validation loss."""
+    """Train; return the full model's final weights (on rank 0, with --save), the final loss
+    and the final validation loss."""
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+    # Into the full model, before the cut: every stage then starts from its slice of the file.
+    state = load_checkpoint(args, model) if args.checkpoint else None
     if world_size == 1:
         # --- Model parallelism: every stage in this process, each on its device ---
         stages = [cut(model, i, len(devices)).to(d) for i, d in enumerate(devices)]
         # --- end model parallelism ---
     else:
+        stages = [cut(model, rank, world_size).to(devices[0])]  # this rank's stage only
+    # --- Activation checkpointing and compiling: per block, before any wrapper ---
+    for block in [block for stage_module in stages for block in stage_module.blocks.values()]:
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
+            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the current implementation. It wraps the forward, not the module, so parameter
+            # names stay SimpleModel's and checkpoints and --save load with or without it.
+            # In a pipeline each micro-batch keeps its activations until its backward (GPipe:
+            # all m of them at once), so the saving counts once per micro-batch in flight.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if args.compile:
+            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
+            # prefix in the state_dict. After checkpointing, so the compiled code includes
+            # the recomputation; the first step pays the compile time (the summary's "first
+            # step"), later ones run the compiled kernels.
+            block.compile()
+    # --- end ---
+    if world_size > 1:
         # --- Pipeline parallelism: this rank's stage, and the schedule that drives it ---
         device = devices[0]
-        stages = [cut(model, rank, world_size).to(device)]
         # PipelineStage knows its neighbours by stage index (rank - 1 and rank + 1). Left to
         # itself it would infer the activation shapes from the first micro-batch, sending them
         # between stages as pickled objects (docs/torch-versions.md: NumPy). Example input and
@@ -301,10 +369,17 @@ def train(args, rank, world_size, devices):
         # --- end pipeline parallelism ---
     # Each stage's optimizer sees only its own parameters; together they are one Adam.
     optimizer = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=args.lr)
+    start_step = 0
+    if state is not None:
+        # This rank's share of the file's Adam state, numbered as its own optimizer numbers it
+        optimizer.load_state_dict(optimizer_share(state["optimizer"], model, stages))
+        start_step = state["step"]
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
     # Every rank walks through the same global batches (the first stage needs the inputs,
-    # the last the targets): the permutation drawn from seed + epoch, as in every script.
+    # the last the targets): each epoch's order is the permutation drawn from seed + epoch,
+    # the same one single.py draws and DistributedSampler draws in ddp.py.
     generator = torch.Generator()
     sampler = RandomSampler(dataset, generator=generator)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
@@ -312,11 +387,13 @@ def train(args, rank, world_size, devices):
 
     meter = Meter(devices)  # every stage's device: the clock waits for all of them
     profiler = Profiler(args.profile, rank)  # does nothing without --profile
-    for step in range(args.steps):
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)
-        if index == 0:
+        if index == 0 or step == start_step:
             generator.manual_seed(args.seed + epoch)
-            batches = iter(loader)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            batches = itertools.islice(loader, index, None)
         x, y = next(batches)
         if world_size == 1:
             # --- Model parallelism: hand the activations from device to device ---
@@ -363,46 +440,163 @@ def train(args, rank, world_size, devices):
                 val_loss = evaluate(stages, val_set, rank, world_size, devices,
                                     args.batch_size, args.hidden)
             print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            # Each stage holds a slice of the weights and of Adam's state: rank 0 gathers both
+            # and writes the file single.py writes, so it resumes on any number of stages
+            # (or in single.py, ddp.py...). Every rank takes part: it sends its slice.
+            weights, adam = gather_full_state(model, stages, optimizer, rank, devices[0])
+            if rank == 0:
+                save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
-
-    # Reassemble the full model on rank 0: each stage holds a slice of the full state_dict.
-    if world_size == 1:
-        weights = {k: v.cpu() for stage_module in stages
-                   for k, v in stage_module.state_dict().items()}
-    elif rank == 0:
-        # Plain tensor sends, not gather_object (pickled objects): rank 0 built the full
-        # model too, so it knows every slice's names and shapes.
-        weights = {k: v.cpu() for k, v in stages[0].state_dict().items()}
-        for src in range(1, world_size):
-            for name, like in cut(model, src, world_size).state_dict().items():
-                received = torch.empty_like(like, device=devices[0])
-                dist.recv(received, src=src)
-                weights[name] = received.cpu()
-    else:
-        for tensor in stages[0].state_dict().values():  # the same order rank 0 expects
-            dist.send(tensor.contiguous(), dst=0)
-        weights = None
+    weights, _ = (gather_full_state(model, stages, optimizer, rank, devices[0]) if args.save
+                  else (None, None))
     return weights, final_loss, val_loss
+
+
+def gather_full_state(model, stages, optimizer, rank, device):
+    """The full model's state_dict and Adam's state_dict, as one device would have them, on
+    rank 0 (None, None on the other ranks, which send their slices to it).
+
+    Plain tensor sends, not gather_object (pickled objects): rank 0 built the full model too,
+    so it knows every slice's names and shapes. Adam's state is numbered by parameter
+    position; the stages hold consecutive runs of SimpleModel's parameters.
+    """
+    names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
+    own = optimizer.state_dict()
+    weights = {k: v for stage_module in stages for k, v in stage_module.state_dict().items()}
+    adam = {names.index(name): own["state"][i] for i, (name, _) in
+            enumerate(p for stage_module in stages for p in stage_module.named_parameters())}
+    keys = ("step", "exp_avg", "exp_avg_sq")  # per parameter: a step count and two moments
+    if rank > 0:
+        for tensor in [*weights.values(), *(adam[i][key] for i in sorted(adam) for key in keys)]:
+            dist.send(tensor.contiguous().to(device), dst=0)
+        return None, None
+    for src in range(1, dist.get_world_size()):
+        part = cut(model, src, dist.get_world_size())
+        for name, like in part.state_dict().items():
+            weights[name] = receive(like, src, device)
+        for name, p in part.named_parameters():  # in position order, as the sender sends
+            shapes = {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
+            adam[names.index(name)] = {key: receive(shapes[key], src, device) for key in keys}
+    group = dict(own["param_groups"][0], params=list(range(len(names))))
+    return weights, {"state": dict(sorted(adam.items())), "param_groups": [group]}
+
+
+def receive(like, src, device):
+    """A tensor shaped like `like`, received from rank `src`, on the CPU."""
+    received = torch.empty_like(like, device=device)
+    dist.recv(received, src=src)
+    return received.cpu()
+
+
+def optimizer_share(full, model, stages):
+    """The part of one device's Adam state_dict (`full`) that belongs to `stages`' parameters,
+    numbered from 0 in their order, as their optimizer numbers them."""
+    names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
+    mine = [names.index(name) for s in stages for name, _ in s.named_parameters()]
+    group = dict(full["param_groups"][0], params=list(range(len(mine))))
+    return {"state": {i: full["state"][j] for i, j in enumerate(mine)}, "param_groups": [group]}
+
+
+def save_checkpoint(args, weights, adam, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": weights, "optimizer": adam,
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model):
+    """Read --checkpoint into the model if it exists (return its state, or None if there is
+    none); a bad one stops with one line and is left as it was."""
+    if not os.path.exists(args.checkpoint):
+        return None
+
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        if "size mismatch" in str(e) or "Missing key" in str(e):
+            refuse("saved with another model size; use its --hidden and --blocks")
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    except Exception as e:  # truncated, not a torch file, not a dict...
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if state.get(key) != getattr(args, key):
+            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {state.get(key)}")
+    return state
+
+
+def run(args):
+    """What each worker process does: join, train, save, leave."""
+    rank, world_size, devices = setup(args)
+    weights, _, _ = train(args, rank, world_size, devices)
+    if args.save and rank == 0:
+        # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
+    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
+    # collective that we will never join, and tearing the group down under it can deadlock
+    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        # Lets gloo's threads drop their last tensors while Python is alive; without it a
+        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
+        time.sleep(0.2)
+
+
+def free_port():
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
+
+    Another program could take it before rank 0 binds it again; rare, and then the run fails
+    at once with "address already in use" rather than hanging.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(local_rank, args, port):
+    """Entry point of a worker started by `python pipeline.py`: set what torchrun would set."""
+    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
+    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
+    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_WORLD_SIZE=str(args.nproc))
+    run(args)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, world_size, devices = setup(args)
-    weights, _, _ = train(args, rank, world_size, devices)
-    if args.save and rank == 0:
-        # The same keys as SimpleModel's own state_dict: it loads with strict=True.
-        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
-    if world_size > 1:
-        # A clean exit only: after an error we never get here, and the exception's non-zero
-        # exit lets torchrun end the other stages (tearing a group down under a peer that is
-        # mid-send can hang: pytorch/torchtitan#1342).
-        gloo = dist.get_backend() == "gloo"
-        dist.destroy_process_group()
-        if gloo:
-            # Lets gloo's threads drop their last tensors while Python is alive; without it a
-            # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
-            time.sleep(0.2)
+    if "RANK" in os.environ:
+        run(args)  # torchrun started one process per rank; this is one of them
+    else:
+        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
+        # for all, and if one fails it terminates the others and raises here.
+        try:
+            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
+            # printed it already and exited 1: end with its exit status, not with spawn's
+            # dozen-line traceback under the message. Anything else (a crash, a signal):
+            # spawn's message, which carries the worker's traceback, in place of ours.
+            code = getattr(e, "exit_code", None)
+            raise SystemExit(code if code is not None and code > 0
+                             else f"{os.path.basename(__file__)}: {e}")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def fsdp(reps=3):
 def pipeline(reps=2):
     rows = []
     for i in range(reps):
-        (mp, _), = rates(python("pipeline.py", 1024, "--stages=2"))
+        (mp, _), = rates(python("pipeline.py", 1024, "--nproc=1", "--stages=2"))
         (g, _), = rates(torchrun(2, "pipeline.py", 1024, "--schedule=gpipe"))
         (f, _), = rates(torchrun(2, "pipeline.py", 1024, "--schedule=1f1b"))
         rows.append([str(i + 1), f"{mp:.0f}", f"{g:.0f}", f"{f:.0f}", f"{g / (2 * mp):.0%}",

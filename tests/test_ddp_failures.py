@@ -58,13 +58,14 @@ def test_a_dead_peer_ends_the_job_with_an_error(launcher, tmp_path):
     assert seconds < 10 + 5  # within the process-group timeout (plus the launcher's teardown)
 
 
-@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "amp"])
+@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "amp", "pipeline"])
 def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritten(
         script, tmp_path):
     """load_checkpoint, which every rank calls before the first collective, stops with one
     line (SystemExit: exit status 1) and leaves the file as it was."""
     module = importlib.import_module(script)
-    args = module.parse_args(["--device=cpu", "--nproc=1"] if script == "ddp" else ["--device=cpu"])
+    args = module.parse_args(["--device=cpu", *(["--nproc=1"] if script in ("ddp", "pipeline")
+                                                else [])])
     extra = ["bf16"] if script == "amp" else []  # amp.py's load_checkpoint checks the dtype
     ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
     cases = [(b"garbage", "cannot be read")]
@@ -122,7 +123,7 @@ DISTRIBUTED_BAD_FLAGS = [
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
     ("pipeline", ["--backend=nccl", "--device=cpu"], "stages send CPU tensors, which only gloo"),
     *[(script, ["--checkpoint=/no/such/c.pt"], "--checkpoint /no/such/c.pt: its folder")
-      for script in ("single", "ddp", "amp")],
+      for script in ("single", "ddp", "amp", "pipeline")],
 ])
 def test_bad_distributed_flags_are_refused_in_one_line(script, flags, message, capsys,
                                                        as_torchrun):
@@ -168,7 +169,7 @@ def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monk
     assert threads == [3 if omp else max(1, os.cpu_count() // 2)]
 
 
-@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp", "pipeline"])
 def test_compile_without_a_cpp_compiler_or_on_an_unsupported_python_is_refused_in_one_line(
         script, capsys, monkeypatch):
     """Faked: inductor finds no C++ compiler on the CPU; torch.compile refuses this Python."""
@@ -185,12 +186,6 @@ def test_compile_without_a_cpp_compiler_or_on_an_unsupported_python_is_refused_i
                         capsys)
 
 
-@pytest.mark.parametrize("script, flags, message", [
-    ("dataparallel", ["--compile"], "--compile: not with DataParallel"),
-    ("pipeline", ["--compile"], "are not shown with pipelining here"),
-    ("pipeline", ["--activation-checkpointing"], "are not shown with pipelining here"),
-])
-def test_compile_and_checkpointing_where_not_shown_are_refused_in_one_line(
-        script, flags, message, capsys, monkeypatch):
+def test_compile_with_dataparallel_is_refused_in_one_line(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    refused_in_one_line(script, flags, message, capsys)
+    refused_in_one_line("dataparallel", ["--compile"], "--compile: not with DataParallel", capsys)

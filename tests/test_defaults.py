@@ -15,15 +15,16 @@ from conftest import (initial_val_loss, launch_together, logged_losses, logged_v
 SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline"]
 # The multi-process ones are launched as the docstrings say; the single-process ones run their
 # main() in this process (the same code as `python X.py`, without seconds of torch imports for
-# a new process). The pipelined stages (torchrun pipeline.py) are proven on JOB by
+# a new process). Model parallelism (pipeline.py --nproc 1) is proven on JOB by
 # tests/test_pipeline.py. Defaults all, except --device=cpu: "auto" would pick a GPU where
 # there is one, and a GPU machine must pass this suite too.
 LAUNCHED = {
     "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py", "--device=cpu"),
     "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
+    "python pipeline.py": [sys.executable, "pipeline.py", "--device=cpu"],  # starts 2 stages
     "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
 }
-IN_PROCESS = ["single", "dataparallel", "amp", "pipeline"]
+IN_PROCESS = ["single", "dataparallel", "amp"]
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ import common
 from conftest import JOB_FLAGS, free_port, load_saved, max_diff, ok, launch
 
 # GPUs: the workers `python ddp.py` / `python fsdp.py` start by default for --batch-size 64
-# (the most that divide it), and the stages `python pipeline.py` cuts --blocks 4 into.
+# (the most that divide it), and the stages `python pipeline.py` cuts --blocks 4 into, with
+# the processes it starts for them: one per stage, or one driving both stages on 1 GPU.
 DEFAULT_WORKERS = {1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 4, 8: 8}
 DEFAULT_STAGES = {1: 2, 2: 2, 3: 3, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
+STAGE_PROCESSES = {1: 1, 2: 2, 3: 3, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4}
 
 
 @pytest.fixture
@@ -46,10 +48,14 @@ def test_default_workers_on_1_to_8_gpus_divide_the_default_batch(script, gpus, f
 
 
 @pytest.mark.parametrize("gpus", sorted(DEFAULT_STAGES))
-def test_default_model_parallel_stages_on_1_to_8_gpus_fit_the_blocks(gpus, fake_gpus):
+def test_default_pipeline_stages_on_1_to_8_gpus_fit_the_blocks(gpus, fake_gpus, capsys):
     fake_gpus(gpus)
     import pipeline
-    assert pipeline.parse_args([]).stages == DEFAULT_STAGES[gpus]
+    args = pipeline.parse_args([])
+    assert (args.stages, args.nproc) == (DEFAULT_STAGES[gpus], STAGE_PROCESSES[gpus])
+    if gpus > 4:  # the user is told, with the fix
+        said = capsys.readouterr().out
+        assert f"4 of {gpus} GPUs, one stage per block; pass --blocks {gpus}" in said
     assert pipeline.parse_args(["--blocks=8"]).stages == max(gpus, 2)
 
 
