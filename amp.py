@@ -187,6 +187,14 @@ def train(args, device, dtype):
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
     for block in model.blocks.values():
+        if args.compile:
+            # The block's forward, compiled (inductor). The module stays, and with it the
+            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
+            # Before checkpointing wraps it: checkpoint() switches TorchDynamo off for all it
+            # calls, so compiling a checkpointed block from outside compiles nothing, silently.
+            # Inside, backward's recomputation runs the compiled code again. The first
+            # step pays the compile time (the summary's "first step").
+            block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
             # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
@@ -194,12 +202,6 @@ def train(args, device, dtype):
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        if args.compile:
-            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
-            # prefix in the state_dict. After checkpointing, so the compiled code includes
-            # the recomputation; the first step pays the compile time (the summary's "first
-            # step"), later ones run the compiled kernels.
-            block.compile()
     # --- end ---
     state = load_checkpoint(args, model, dtype) if args.checkpoint else None
     # The weights stay fp32 ("master weights"): autocast casts them to 16 bits on the fly

@@ -267,6 +267,16 @@ def train(args, rank, world_size, device):
         model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
     # --- Activation checkpointing and compiling: per block, before fully_shard ---
     for block in model.blocks.values():
+        if args.compile:
+            # The block's forward, compiled (inductor). The module stays, and with it the
+            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
+            # Before checkpointing wraps it: checkpoint() switches TorchDynamo off for all it
+            # calls, so compiling a checkpointed block from outside compiles nothing, silently.
+            # Inside, backward's recomputation runs the compiled code again. The first step
+            # pays the compile time (the summary's "first step").
+            # Before fully_shard, so FSDP's all-gathers and reduce-scatters stay outside it
+            # (torchtitan's order).
+            block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
             # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
@@ -274,13 +284,6 @@ def train(args, rank, world_size, device):
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        if args.compile:
-            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
-            # prefix in the state_dict. After checkpointing, so the compiled code includes
-            # the recomputation; before fully_shard, so FSDP's all-gathers and reduce-scatters
-            # stay outside it (torchtitan's order). The first step pays the compile time (the
-            # summary's "first step"), later ones run the compiled kernels.
-            block.compile()
     # --- end ---
     # bf16: each block's weights are gathered (and computed with) in bf16; the gradients are
     # reduce-scattered in fp32, since summing N ranks' gradients in bf16 (8 bits of mantissa)

@@ -327,6 +327,14 @@ def train(args, rank, world_size, devices):
         stages = [cut(model, rank, world_size).to(devices[0])]  # this rank's stage only
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
     for block in [block for stage_module in stages for block in stage_module.blocks.values()]:
+        if args.compile:
+            # The block's forward, compiled (inductor). The module stays, and with it the
+            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
+            # Before checkpointing wraps it: checkpoint() switches TorchDynamo off for all it
+            # calls, so compiling a checkpointed block from outside compiles nothing, silently.
+            # Inside, backward's recomputation runs the compiled code again. The first
+            # step pays the compile time (the summary's "first step").
+            block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
             # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
@@ -336,12 +344,6 @@ def train(args, rank, world_size, devices):
             # In a pipeline each micro-batch keeps its activations until its backward (GPipe:
             # all m of them at once), so the saving counts once per micro-batch in flight.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        if args.compile:
-            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
-            # prefix in the state_dict. After checkpointing, so the compiled code includes
-            # the recomputation; the first step pays the compile time (the summary's "first
-            # step"), later ones run the compiled kernels.
-            block.compile()
     # --- end ---
     if world_size > 1:
         # --- Pipeline parallelism: this rank's stage, and the schedule that drives it ---

@@ -294,6 +294,16 @@ def parallelize(model, mesh, args):
                                                "down": RowwiseParallel()})
     # --- Activation checkpointing and compiling: per block, after TP, before fully_shard ---
     for block in model.blocks.values():
+        if args.compile:
+            # The block's forward, compiled (inductor). The module stays, and with it the
+            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
+            # Before checkpointing wraps it: checkpoint() switches TorchDynamo off for all it
+            # calls, so compiling a checkpointed block from outside compiles nothing, silently.
+            # Inside, backward's recomputation runs the compiled code again. The first step
+            # pays the compile time (the summary's "first step").
+            # After parallelize_module, so it compiles the TP block with its all-reduces;
+            # before fully_shard, so FSDP's collectives stay outside (torchtitan's order).
+            block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
             # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
@@ -301,13 +311,6 @@ def parallelize(model, mesh, args):
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        if args.compile:
-            # In place (Module.compile): the same module and parameter names, no "_orig_mod."
-            # prefix in the state_dict. After checkpointing, so the compiled code includes
-            # the recomputation; after parallelize_module, so it compiles the TP block with its
-            # all-reduces; before fully_shard, so FSDP's collectives stay outside (torchtitan's
-            # order: TP, checkpointing, compile, FSDP). The first step pays the compile time.
-            block.compile()
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each

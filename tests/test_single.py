@@ -3,7 +3,7 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
                       load_saved, logged_losses, max_diff, needs_cuda, python, run_in_process,
                       summary_val_loss)
 from reference import reference_train
@@ -41,6 +41,22 @@ def test_activation_checkpointing_changes_no_weight(tmp_path):
     _, plain = run_in_process("single", [], tmp_path)
     _, checkpointed = run_in_process("single", ["--activation-checkpointing"], tmp_path)
     assert max_diff(checkpointed, plain) == 0.0
+
+
+def test_compile_with_activation_checkpointing_really_compiles_and_equals_the_oracle(
+        reference, tmp_path):
+    """Every script prepares its blocks with the same lines (compile the forward, then
+    checkpoint it). checkpoint() switches TorchDynamo off for all it calls: compiled the other
+    way round, the run traced no frame at all and still matched the oracle, since nothing was
+    compiled. Here TorchDynamo must have compiled each block's forward."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    _, weights = run_in_process("single", ["--compile", "--activation-checkpointing"], tmp_path)
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    assert max_diff(weights, reference[1]) < COMPILE_TOL
+    torch._dynamo.reset()
 
 
 @needs_cuda
