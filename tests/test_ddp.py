@@ -1,6 +1,5 @@
 """ddp.py trains to the same weights as one device, however the batch is spread."""
 
-import re
 import shutil
 
 import pytest
@@ -10,7 +9,7 @@ from torch.utils.data import DistributedSampler
 import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
-from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
                       assert_profiled, fails_clearly, launch_runs, logged_losses,
                       logged_val_losses, max_diff, needs_2_gpus, needs_cuda, python,
@@ -26,8 +25,8 @@ RUNS = {  # one rank: see the resume test, which continues on 1 (and 3) ranks
                              "--profile={folder}/trace"]),  # and traces steps 5-7
     # activation checkpointing recomputes the same operations: the same weights, bit for bit
     "spawn 2 ranks, AC": (None, ["--nproc=2", "--activation-checkpointing"]),
-    "torchrun 2 ranks, accum 3, compile + AC": (2, ["--accum-steps=3", "--compile",
-                                                    "--activation-checkpointing"]),
+    # (compiled runs: fsdp.py and tp.py; compiling costs each process seconds of CPU)
+    "torchrun 2 ranks, accum 3, AC": (2, ["--accum-steps=3", "--activation-checkpointing"]),
 }
 
 
@@ -97,10 +96,8 @@ def test_spawn_path_with_activation_checkpointing_equals_torchrun_without_bit_fo
     assert max_diff(weights(runs, "spawn 2 ranks, AC"), weights(runs, "torchrun 2 ranks")) == 0.0
 
 
-def test_compiled_checkpointed_blocks_with_accumulation_equal_one_big_batch(runs, reference):
-    out, saved = succeeded(runs["torchrun 2 ranks, accum 3, compile + AC"])
-    assert max_diff(saved, reference[1]) < COMPILE_TOL
-    assert float(re.search(r"first step ([0-9.]+) s", out).group(1)) > 0
+def test_checkpointed_blocks_with_accumulation_equal_one_big_batch(runs, reference):
+    assert max_diff(weights(runs, "torchrun 2 ranks, accum 3, AC"), reference[1]) < TOL
 
 
 def test_every_layer_is_trained(runs, reference):

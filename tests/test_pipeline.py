@@ -17,8 +17,9 @@ RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule once, 2 a
     # traces steps 5-7, and writes a checkpoint every 4 steps: the resume test continues it
     "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4", "--profile={folder}/trace",
                             "--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4"]),
-    "3 stages, 1f1b, compile + AC": (3, ["--schedule=1f1b", "--microbatches=4", "--compile",
-                                         "--activation-checkpointing"]),
+    # (compiled runs: fsdp.py and tp.py; compiling costs each process seconds of CPU)
+    "3 stages, 1f1b, AC": (3, ["--schedule=1f1b", "--microbatches=4",
+                               "--activation-checkpointing"]),
 }
 
 
@@ -56,11 +57,6 @@ def test_pipeline_equals_one_device(name, runs, reference):
     assert max_diff(weights, reference[1]) < TOL
     # the loss the last stage computed, brought to rank 0, is the whole batch's loss
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
-
-
-def test_compiled_blocks_report_their_compile_time(runs):
-    out = succeeded(runs["3 stages, 1f1b, compile + AC"])[0]
-    assert float(out.split("first step ")[1].split(" s")[0]) > 0
 
 
 @pytest.mark.parametrize("name", RUNS)
