@@ -25,7 +25,7 @@ RUNS = {  # one rank: see the resume test, which continues on 1 (and 3) ranks
                              "--profile={folder}/trace"]),  # and traces steps 5-7
     # activation checkpointing recomputes the same operations: the same weights, bit for bit
     "spawn 2 ranks, AC": (None, ["--nproc=2", "--activation-checkpointing"]),
-    # (compiled runs: fsdp.py and tp.py; compiling costs each process seconds of CPU)
+    # (compiled: tp.py's spawn run and single.py; compiling costs each process seconds)
     "torchrun 2 ranks, accum 3, AC": (2, ["--accum-steps=3", "--activation-checkpointing"]),
 }
 

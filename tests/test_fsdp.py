@@ -14,7 +14,7 @@ import torch
 
 import common
 from common import SimpleModel
-from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
                       assert_profiled, launch_runs, launch_together, logged_losses, max_diff,
                       needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun,
@@ -29,9 +29,10 @@ RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra fla
     # uneven shards (32 rows as 11, 11, 10); recomputes inside them; traces steps 5-7
     "torchrun 3 ranks": (3, ["--activation-checkpointing", "--profile={folder}/trace"]),
     # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
-    # through compiled blocks that recompute their activations in backward
-    "spawn 2 ranks, accum 2, compile + AC": (None, ["--nproc=2", "--accum-steps=2", "--compile",
-                                                    "--activation-checkpointing"]),
+    # through blocks that recompute their activations in backward (compiled: tp.py's spawn run,
+    # the same lines; compiling costs each process seconds of CPU)
+    "spawn 2 ranks, accum 2, AC": (None, ["--nproc=2", "--accum-steps=2",
+                                          "--activation-checkpointing"]),
     "torchrun 1 rank, bf16": (1, ["--mixed-precision=bf16"]),
 }
 
@@ -54,11 +55,8 @@ def test_fsdp_on_n_ranks_equals_one_device(name, runs, reference, reference_val)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-def test_spawn_path_with_accumulation_compile_and_checkpointing_equals_one_big_batch(
-        runs, reference):
-    out, weights = succeeded(runs["spawn 2 ranks, accum 2, compile + AC"])
-    assert max_diff(weights, reference[1]) < COMPILE_TOL
-    assert float(re.search(r"first step ([0-9.]+) s", out).group(1)) > 0
+def test_spawn_path_with_accumulation_and_checkpointing_equals_one_big_batch(runs, reference):
+    assert max_diff(succeeded(runs["spawn 2 ranks, accum 2, AC"])[1], reference[1]) < TOL
 
 
 def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_every_step(

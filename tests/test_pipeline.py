@@ -17,7 +17,7 @@ RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule once, 2 a
     # traces steps 5-7, and writes a checkpoint every 4 steps: the resume test continues it
     "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4", "--profile={folder}/trace",
                             "--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4"]),
-    # (compiled runs: fsdp.py and tp.py; compiling costs each process seconds of CPU)
+    # (compiled: tp.py's spawn run and single.py; compiling costs each process seconds)
     "3 stages, 1f1b, AC": (3, ["--schedule=1f1b", "--microbatches=4",
                                "--activation-checkpointing"]),
 }
