@@ -58,6 +58,9 @@ def parse_args(argv=None):
                        help="global batch: samples per optimizer step, summed over all ranks")
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="the other scripts' float64 run; refused here (autocast lowers the "
+                            "precision; --dtype fp32 is the fp32 baseline)")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--clip", type=float, default=0.0,
@@ -114,6 +117,10 @@ def parse_args(argv=None):
         if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
                          "create it first")
+    if args.fp64:
+        # The other scripts' shared flag, refused here: autocast computes in less precision.
+        parser.error("--fp64: amp.py trains in less precision, not more; use --dtype fp32 for "
+                     "the fp32 baseline, or single.py --fp64 (or any other script) for float64")
     if args.clip < 0:
         parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     return args

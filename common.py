@@ -75,14 +75,15 @@ class SimpleModel(nn.Module):
         return x
 
 
-def make_dataset(split="train"):
+def make_dataset(split="train", dtype=torch.float32):
     """A regression task that can be learned: y = teacher(x) + small noise, the same every time.
 
     The teacher is a fixed random two-layer network, so the loss has somewhere to fall to.
     split="train": DATASET_SIZE samples to train on. split="val": VAL_SIZE held-out samples of
     the same teacher, drawn after (so disjoint from) the training ones; 1000 is divided by
     neither 3, 6, 7 nor 8, so those world sizes make DistributedSampler pad (see ddp.py).
-    Built from its own generator, so it neither reads nor disturbs the global RNG.
+    Built from its own generator, so it neither reads nor disturbs the global RNG. Always drawn
+    in float32, then cast to `dtype`: a --fp64 run trains on the same numbers as an fp32 one.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -91,11 +92,10 @@ def make_dataset(split="train"):
     w1 = torch.randn(IN_FEATURES, 64, generator=g) / IN_FEATURES**0.5
     w2 = torch.randn(64, OUT_FEATURES, generator=g) / 64**0.5
     y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(DATASET_SIZE, OUT_FEATURES, generator=g)
-    if split == "train":
-        return torch.utils.data.TensorDataset(x, y)
-    x = torch.randn(VAL_SIZE, IN_FEATURES, generator=g)
-    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(VAL_SIZE, OUT_FEATURES, generator=g)
-    return torch.utils.data.TensorDataset(x, y)
+    if split == "val":
+        x = torch.randn(VAL_SIZE, IN_FEATURES, generator=g)
+        y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(VAL_SIZE, OUT_FEATURES, generator=g)
+    return torch.utils.data.TensorDataset(x.to(dtype), y.to(dtype))
 
 
 def seed_everything(seed):

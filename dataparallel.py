@@ -55,6 +55,10 @@ def parse_args(argv=None):
                        help="global batch: samples per optimizer step, summed over all ranks")
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within ~1e-12 of "
+                            "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
@@ -138,8 +142,14 @@ def evaluate(model, dataset, batch_size, device):
 
 def train(args, device):
     """Train; return the unwrapped model, the final loss and the final validation loss."""
+    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
+    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
+    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
+    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device, dtype)
     # --- Activation checkpointing: per block, before any wrapper ---
     for block in model.blocks.values():
         if args.activation_checkpointing:
@@ -167,7 +177,7 @@ def train(args, device):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
@@ -185,7 +195,7 @@ def train(args, device):
             generator.manual_seed(args.seed + epoch)
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
@@ -221,7 +231,8 @@ def save_checkpoint(args, model, optimizer, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
+                 "fp64": args.fp64},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
@@ -252,6 +263,11 @@ def load_checkpoint(args, model):
         if state.get(key) != getattr(args, key):
             refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
                    f"order would not continue; use {flag} {state.get(key)}")
+    if state.get("fp64", False) != args.fp64:
+        # Loading would cast the weights and Adam's moments silently, and the run would go on
+        # in another precision than it started in.
+        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
+               else "written without --fp64; drop --fp64 to continue it")
     return state
 
 

@@ -91,6 +91,10 @@ def parse_args(argv=None):
                        help="global batch: samples per optimizer step, summed over all ranks")
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within ~1e-12 of "
+                            "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
@@ -166,6 +170,9 @@ def parse_args(argv=None):
         parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or "
                      "later (older ones sum the gradients instead of averaging them); "
                      "upgrade torch, or run on GPUs")
+    if args.fp64 and args.mixed_precision != "off":
+        parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: one asks for more "
+                     "precision, the other for less; drop one of them")
     carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
     if args.backend not in ("auto", carrier):
         parser.error(f"--backend {args.backend}: FSDP here shards {'GPU' if use_cuda else 'CPU'} "
@@ -260,11 +267,17 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
 def train(args, rank, world_size, device):
     """Train; return the sharded model, the final loss (averaged over all ranks) and the
     final validation loss."""
+    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
+    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
+    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
+    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    dtype = torch.float64 if args.fp64 else torch.float32
     # --- FSDP: build the model without memory, shard it, then fill the shards ---
     # On the "meta" device a module has shapes but no storage: a model far bigger than one
     # device costs nothing to build here.
     with torch.device("meta"):
-        model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+        model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype)
     # --- Activation checkpointing and compiling: per block, before fully_shard ---
     for block in model.blocks.values():
         if args.compile:
@@ -286,10 +299,12 @@ def train(args, rank, world_size, device):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     # --- end ---
     # bf16: each block's weights are gathered (and computed with) in bf16; the gradients are
-    # reduce-scattered in fp32, since summing N ranks' gradients in bf16 (8 bits of mantissa)
-    # would round away the small ones, and the sharded weights Adam updates stay fp32.
+    # reduce-scattered in the weights' own dtype, since summing N ranks' gradients in bf16 (8
+    # bits of mantissa) would round away the small ones, and the sharded weights Adam updates
+    # keep theirs. Spelled `dtype`, never torch.float32: a hard-coded fp32 here would reduce an
+    # --fp64 run's gradients in fp32, and it would part from one device like any fp32 run.
     compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
-    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype)
     # The ranks the shards are spread over, on the device the tensors live on. Without mesh=,
     # fully_shard builds one on the machine's accelerator, whatever --device says: with a GPU
     # visible, `--device cpu` would try to put every rank on a GPU ("invalid device ordinal").
@@ -306,9 +321,9 @@ def train(args, rank, world_size, device):
         # block's gathered weights from its forward until its backward, one all-gather less
         # per step, at the memory of the whole unsharded model (as DDP holds it).
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    # The whole model's output goes back to fp32, so the loss is computed in fp32.
+    # The whole model's output goes back to the weights' dtype, so the loss is computed in it.
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
-        param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32))
+        param_dtype=compute_dtype, reduce_dtype=dtype, output_dtype=dtype))
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly
@@ -318,7 +333,7 @@ def train(args, rank, world_size, device):
     full = {}
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).state_dict()
+        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
     # After fully_shard, never before: fully_shard replaces every parameter with a sharded
@@ -328,7 +343,7 @@ def train(args, rank, world_size, device):
     # --- end FSDP ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- FSDP: shard the data, as DDP does ---
     # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
     # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
@@ -353,7 +368,7 @@ def train(args, rank, world_size, device):
             sampler.set_epoch(epoch)
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
@@ -434,6 +449,7 @@ def save_checkpoint(args, model, optimizer, rank, step):
     if rank == 0:  # the rest is small and the same on every rank: one writer
         with open(os.path.join(args.checkpoint, name, "train_state.json"), "w") as f:
             json.dump({"step": step, "batch_size": args.batch_size, "seed": args.seed,
+                       "fp64": args.fp64,
                        "hidden": args.hidden, "blocks": args.blocks}, f)
         tmp = os.path.join(args.checkpoint, "latest.tmp")
         with open(tmp, "w") as f:
@@ -479,6 +495,11 @@ def load_checkpoint(args, model, optimizer):
         if meta[key] != getattr(args, key):
             refuse(f"written with {flag} {meta[key]}, not {getattr(args, key)}: the data "
                    f"order would not continue; use {flag} {meta[key]}")
+    if meta.get("fp64", False) != args.fp64:
+        # Loading would cast the weights and Adam's moments silently, and the run would go on
+        # in another precision than it started in.
+        refuse("written with --fp64; add --fp64 to continue it" if meta.get("fp64")
+               else "written without --fp64; drop --fp64 to continue it")
     # Load into this rank's sharded state dicts: DCP reads the pieces of each saved tensor
     # that this rank's slices need, however many ranks wrote them.
     model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -95,6 +95,10 @@ def parse_args(argv=None):
                        help="global batch: samples per optimizer step, all micro-batches")
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within ~1e-12 of "
+                            "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
     train.add_argument("--eval-every", type=positive(int), default=50,
                        help="steps between evaluations on the held-out set (and at the end)")
@@ -294,7 +298,7 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
                 if rank == 0:
                     x = x.to(device)
                 else:  # the activations of the previous stage: (batch, hidden)
-                    x = torch.empty(len(x), hidden, device=device)
+                    x = torch.empty(len(x), hidden, device=device, dtype=x.dtype)
                     dist.recv(x, src=rank - 1)
                 x = stages[0](x)
                 if rank < world_size - 1:
@@ -315,8 +319,14 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
 def train(args, rank, world_size, devices):
     """Train; return the full model's final weights (on rank 0, with --save), the final loss
     and the final validation loss."""
+    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
+    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
+    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
+    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype)
     # Into the full model, before the cut: every stage then starts from its slice of the file.
     state = load_checkpoint(args, model) if args.checkpoint else None
     if world_size == 1:
@@ -352,14 +362,17 @@ def train(args, rank, world_size, devices):
         # itself it would infer the activation shapes from the first micro-batch, sending them
         # between stages as pickled objects (docs/torch-versions.md: NumPy). Example input and
         # output of one micro-batch (on "meta": shapes only, no memory) skip that. An input
-        # that requires grad is one whose gradient goes back to the previous stage.
+        # that requires grad is one whose gradient goes back to the previous stage. In the
+        # run's dtype: the stages size their send and receive buffers from these.
         micro = args.batch_size // args.microbatches
         width_in = IN_FEATURES if rank == 0 else args.hidden
         width_out = OUT_FEATURES if rank == world_size - 1 else args.hidden
         stage = PipelineStage(
             stages[0], rank, world_size, device,
-            input_args=torch.empty(micro, width_in, device="meta", requires_grad=rank > 0),
-            output_args=torch.empty(micro, width_out, device="meta", requires_grad=True))
+            input_args=torch.empty(micro, width_in, device="meta", dtype=dtype,
+                                   requires_grad=rank > 0),
+            output_args=torch.empty(micro, width_out, device="meta", dtype=dtype,
+                                    requires_grad=True))
         # loss_fn runs on the last stage, once per micro-batch, and returns that
         # micro-batch's *mean* loss. Backward of M such losses adds up M mean gradients:
         # M times the gradient of the whole batch. scale_grads=True (the default, spelled
@@ -378,7 +391,7 @@ def train(args, rank, world_size, devices):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # Every rank walks through the same global batches (the first stage needs the inputs,
     # the last the targets): each epoch's order is the permutation drawn from seed + epoch,
     # the same one single.py draws and DistributedSampler draws in ddp.py.
@@ -421,7 +434,7 @@ def train(args, rank, world_size, devices):
                 schedule.step()
             # Equal micro-batches: the mean of their losses is the whole batch's loss.
             loss = (torch.stack(losses).mean().detach() if is_last
-                    else torch.zeros((), device=device))
+                    else torch.zeros((), device=device, dtype=dtype))
             # --- end pipeline parallelism ---
         with record_function("optimizer step"):
             optimizer.step()
@@ -506,7 +519,8 @@ def save_checkpoint(args, weights, adam, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": weights, "optimizer": adam,
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
+                 "fp64": args.fp64},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
@@ -537,6 +551,11 @@ def load_checkpoint(args, model):
         if state.get(key) != getattr(args, key):
             refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
                    f"order would not continue; use {flag} {state.get(key)}")
+    if state.get("fp64", False) != args.fp64:
+        # Loading would cast the weights and Adam's moments silently, and the run would go on
+        # in another precision than it started in.
+        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
+               else "written without --fp64; drop --fp64 to continue it")
     return state
 
 

@@ -93,6 +93,10 @@ def parse_args(argv=None):
                        help="global batch: samples per optimizer step, summed over all ranks")
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within ~1e-12 of "
+                            "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
@@ -328,11 +332,17 @@ def parallelize(model, mesh, args):
 def train(args, rank, world_size, device):
     """Train; return the sharded model, the final loss (averaged over all ranks) and the
     final validation loss."""
+    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
+    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
+    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
+    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    dtype = torch.float64 if args.fp64 else torch.float32
     # --- TP: build the model without memory, cut it (and shard it), then fill the pieces ---
     # On the "meta" device a module has shapes but no storage: a model far bigger than one
     # device costs nothing to build here.
     with torch.device("meta"):
-        model = SimpleModel(hidden=args.hidden, blocks=args.blocks)
+        model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype)
     # The ranks as a grid with named dimensions: W/T rows ("dp") of T ranks ("tp"), row-major,
     # so a TP group is T consecutive ranks, which torchrun places on one machine. On the
     # device the tensors live on: without it, the mesh would go to the machine's accelerator,
@@ -349,7 +359,7 @@ def train(args, rank, world_size, device):
     full = {}
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).state_dict()
+        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
     # After parallelize, never before: it replaces the blocks' parameters with DTensors, so an
@@ -358,7 +368,7 @@ def train(args, rank, world_size, device):
     # --- end TP ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- TP: shard the data by TP group, not by rank ---
     # Every rank of a TP group must see the same micro-batch: each computes its slice of the
     # inner units of the same samples, and the all-reduce adds those slices up. Fed by rank
@@ -384,7 +394,7 @@ def train(args, rank, world_size, device):
             sampler.set_epoch(epoch)
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
@@ -467,6 +477,7 @@ def save_checkpoint(args, model, optimizer, rank, step):
     if rank == 0:  # the rest is small and the same on every rank: one writer
         with open(os.path.join(args.checkpoint, name, "train_state.json"), "w") as f:
             json.dump({"step": step, "batch_size": args.batch_size, "seed": args.seed,
+                       "fp64": args.fp64,
                        "hidden": args.hidden, "blocks": args.blocks}, f)
         tmp = os.path.join(args.checkpoint, "latest.tmp")
         with open(tmp, "w") as f:
@@ -512,6 +523,11 @@ def load_checkpoint(args, model, optimizer):
         if meta[key] != getattr(args, key):
             refuse(f"written with {flag} {meta[key]}, not {getattr(args, key)}: the data "
                    f"order would not continue; use {flag} {meta[key]}")
+    if meta.get("fp64", False) != args.fp64:
+        # Loading would cast the weights and Adam's moments silently, and the run would go on
+        # in another precision than it started in.
+        refuse("written with --fp64; add --fp64 to continue it" if meta.get("fp64")
+               else "written without --fp64; drop --fp64 to continue it")
     # Load into this rank's sharded state dicts: DCP reads the pieces of each saved tensor
     # that this rank's slices need, however many ranks wrote them.
     model_state, optimizer_state = get_state_dict(model, optimizer)

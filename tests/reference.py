@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from common import SimpleModel, make_dataset
 
 
-def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, ranks=1):
+def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, ranks=1,
+                    fp64=False):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (amp.py's --clip).
@@ -19,12 +20,14 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, rank
     DistributedSampler deals them), each on one thread (as the scripts' workers run). The
     same arithmetic in the same order, so it follows an N-rank run past the horizon where
     any two summation orders drift apart (docs/drift.md).
+    fp64: everything in float64, from the fp32 initial weights and data cast (as --fp64 does).
     """
+    dtype = torch.float64 if fp64 else torch.float32
     torch.manual_seed(seed)
-    model = SimpleModel(hidden=hidden, blocks=blocks)
+    model = SimpleModel(hidden=hidden, blocks=blocks).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    x, y = make_dataset().tensors
+    x, y = make_dataset(dtype=dtype).tensors
     steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
     losses = []
     for step in range(steps):
