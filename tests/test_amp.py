@@ -8,8 +8,8 @@ import torch
 
 from common import IN_FEATURES, SimpleModel
 from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
-                      load_saved, logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
-                      summary_val_loss)
+                      load_saved, logged_losses, max_diff, needs_cuda, ok, python,
+                      refused_in_one_line, run_in_process, summary_val_loss)
 from reference import reference_train
 
 amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
@@ -118,6 +118,12 @@ def test_fp16_checkpoint_resumes_with_its_scaler_to_the_uninterrupted_weights(tm
     amp.main([*flags, f"--checkpoint={ckpt}", f"--save={tmp_path / 'resumed.pt'}"])
     assert "resumed from" in capsys.readouterr().out
     assert max_diff(load_saved(tmp_path / "resumed.pt"), load_saved(tmp_path / "straight.pt")) == 0
+
+
+def test_fp64_is_refused_in_one_line_by_amp_which_lowers_the_precision(capsys, monkeypatch):
+    """Every script shares --fp64; amp.py names what to run instead."""
+    refused_in_one_line("amp", ["--fp64"], "--fp64: amp.py trains in less precision, not more; "
+                        "use --dtype fp32", capsys)
 
 
 def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(tmp_path):

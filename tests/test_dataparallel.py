@@ -2,7 +2,8 @@
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle, fp64,
                       logged_losses, max_diff, needs_cuda, python, run_in_process, summary_numbers,
                       summary_val_loss)
 
@@ -18,6 +19,13 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, refe
     assert losses[-1] < 0.5 * losses[0]
     assert all(x > 0 for x in summary_numbers(out))
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+
+
+@pytest.mark.parametrize("seed", FP64_SEEDS)
+def test_fp64_dataparallel_with_accumulation_equals_the_fp64_oracle_on_any_seed(seed, tmp_path):
+    run = run_in_process("dataparallel", ["--device=cpu", *fp64(seed), "--accum-steps=3"],
+                         tmp_path)
+    assert_fp64_run_equals_the_fp64_oracle(run, seed)
 
 
 @needs_cuda

@@ -9,25 +9,29 @@ from torch.utils.data import DistributedSampler
 import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
-from conftest import (CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL,
-                      assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
-                      assert_profiled, fails_clearly, launch_runs, logged_losses,
-                      logged_val_losses, max_diff, needs_2_gpus, needs_cuda, python,
-                      refused_in_one_line, succeeded, summary_val_loss, torchrun)
+from conftest import (CUDA_JOB_FLAGS, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_profiled, fails_clearly, fp64, launch_runs,
+                      logged_losses, logged_val_losses, max_diff, needs_2_gpus, needs_cuda,
+                      python, refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
+                      torchrun)
 from reference import reference_val_loss
 
+SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
-
-# name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB.
-RUNS = {  # one rank: see the resume test, which continues on 1 (and 3) ranks
-    # also writes a checkpoint every 4 steps: the resume test below continues from it
-    "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4",
-                             "--profile={folder}/trace"]),  # and traces steps 5-7
-    # activation checkpointing recomputes the same operations: the same weights, bit for bit
-    "spawn 2 ranks, AC": (None, ["--nproc=2", "--activation-checkpointing"]),
-    # (compiled: tp.py's spawn run and single.py; compiling costs each process seconds)
-    "torchrun 2 ranks, accum 3, AC": (2, ["--accum-steps=3", "--activation-checkpointing"]),
+# name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB, or
+# FP64_JOB where the flags say fp64(seed). One rank: the resume test, which continues on 1.
+RUNS = {
+    # fp32, what users run: the short job (and traces steps 5-7)
+    "torchrun 2 ranks": (2, ["--profile={folder}/trace"]),
+    # fp64 on odd flags: 3 ranks (the held-out set pads), 3 micro-batches, blocks that recompute
+    # their activations (compiled: tp.py's spawn run and single.py), and a checkpoint at the end
+    "fp64, torchrun 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
+                                                "--activation-checkpointing",
+                                                "--checkpoint={folder}/ckpt.pt"]),
+    "fp64, spawn 4 ranks": (None, ["--nproc=4", *fp64(SEED_B)]),  # `python ddp.py` starts 4
 }
+FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": SEED_A, "fp64, spawn 4 ranks": SEED_B}
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +43,15 @@ def weights(runs, name):
     return succeeded(runs[name])[1]
 
 
-# 1 rank: the resume test continues on 1 rank. 3 ranks (the held-out set pads): fsdp.py's and
-# the test below, which shows what the padding would do to a naive average.
-@pytest.mark.parametrize("name", ["torchrun 2 ranks"])
-def test_ddp_on_n_ranks_equals_one_device(name, runs, reference):
-    assert max_diff(weights(runs, name), reference[1]) < TOL
+def test_ddp_on_2_ranks_equals_one_device_in_fp32(runs, reference):
+    assert max_diff(weights(runs, "torchrun 2 ranks"), reference[1]) < TOL
+
+
+@pytest.mark.parametrize("name", FP64_RUNS)
+def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_equals_the_fp64_oracle(name, runs):
+    """40 steps, four epochs, lr 0.03, two seeds: within 1e-9, and the exact validation loss
+    (on 3 ranks the held-out set pads; the test below shows what a naive average would do)."""
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
 
 
 def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference):
@@ -52,10 +60,8 @@ def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference
     assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["torchrun 2 ranks", "spawn 2 ranks, AC"])
-def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_n_ranks(
-        name, runs, reference_val):
-    out = succeeded(runs[name])[0]
+def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_2_ranks(runs, reference_val):
+    out = succeeded(runs["torchrun 2 ranks"])[0]
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
     assert logged_val_losses(out)[-1] == summary_val_loss(out)
 
@@ -84,20 +90,17 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_all_reduce_of_e
                     "optimizer step", ("gloo:all_reduce", "nccl:all_reduce"))
 
 
-def test_checkpoint_from_2_ranks_resumes_on_1_rank(runs, tmp_path):
-    """The 2-rank run's checkpoint (step 8), continued to step 12 on 1 rank, ends with the
-    weights of 12 uninterrupted steps on one device (and proves 1-rank DDP too). On 3 ranks:
-    fsdp.py's resume test; the checkpoint does not depend on the world size in either."""
-    shutil.copy(runs["torchrun 2 ranks"][1].parent / "ckpt.pt", tmp_path / "c1.pt")
-    assert_checkpoints_resume_to_the_oracle("ddp.py", {1: tmp_path / "c1.pt"}, tmp_path, TOL)
-
-
-def test_spawn_path_with_activation_checkpointing_equals_torchrun_without_bit_for_bit(runs):
-    assert max_diff(weights(runs, "spawn 2 ranks, AC"), weights(runs, "torchrun 2 ranks")) == 0.0
-
-
-def test_checkpointed_blocks_with_accumulation_equal_one_big_batch(runs, reference):
-    assert max_diff(weights(runs, "torchrun 2 ranks, accum 3, AC"), reference[1]) < TOL
+def test_fp64_checkpoint_from_3_ranks_resumes_on_1_rank(runs, tmp_path):
+    """The 3-rank run's checkpoint (step 40), continued to step 48 on 1 rank (torchrun's only
+    worker, in this process), ends within 1e-9 of 48 uninterrupted steps on one device (and
+    proves 1-rank DDP too). Nothing in the file depends on the world size."""
+    shutil.copy(runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "ckpt.pt",
+                tmp_path / "c1.pt")
+    steps = FP64_JOB["steps"] + 8
+    out, resumed = run_as_only_rank("ddp", [*fp64(SEED_A, steps=steps),
+                                            f"--checkpoint={tmp_path / 'c1.pt'}"], tmp_path)
+    assert f"resumed from {tmp_path / 'c1.pt'} at step {FP64_JOB['steps']}" in out
+    assert_fp64_run_equals_the_fp64_oracle((out, resumed), SEED_A, steps)
 
 
 def test_every_layer_is_trained(runs, reference):

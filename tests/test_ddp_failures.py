@@ -80,6 +80,25 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
         assert open(ckpt, "rb").read() == content
 
 
+@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "pipeline"])
+def test_checkpoint_of_the_other_precision_is_refused_in_one_line_and_left_as_it_was(
+        script, tmp_path):
+    """load_state_dict would cast an fp64 checkpoint into an fp32 run (or the reverse) silently."""
+    module = importlib.import_module(script)
+    nproc = ["--nproc=1"] if script in ("ddp", "pipeline") else []
+    ckpt = tmp_path / "ckpt.pt"
+    for saved_fp64, flags, message in [(True, [], "written with --fp64; add --fp64"),
+                                       (False, ["--fp64"], "written without --fp64; drop --fp64")]:
+        args = module.parse_args(["--device=cpu", *nproc, *flags, f"--checkpoint={ckpt}"])
+        model = common.SimpleModel().to(torch.float64 if saved_fp64 else torch.float32)
+        common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0,
+                            "fp64": saved_fp64}, ckpt)
+        before = ckpt.read_bytes()
+        with pytest.raises(SystemExit, match=f"{script}.py: error: --checkpoint {ckpt}: {message}"):
+            module.load_checkpoint(args, common.SimpleModel())
+        assert ckpt.read_bytes() == before
+
+
 def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
     import ddp
     args = ddp.parse_args(["--device=cpu", "--nproc=1", "--batch-size=32"])

@@ -14,64 +14,75 @@ import torch
 
 import common
 from common import SimpleModel
-from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL,
-                      assert_checkpoints_resume_to_the_oracle, assert_gpu_run_equals_oracle,
-                      assert_profiled, launch_runs, launch_together, logged_losses, max_diff,
-                      needs_cuda, ok, refused_in_one_line, succeeded, summary_val_loss, torchrun,
-                      torchrun_cmd)
+from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+                      assert_checkpoints_resume_to_the_oracle, assert_fp64_run_equals_the_fp64_oracle,
+                      assert_gpu_run_equals_oracle, assert_profiled, fp64, launch_runs,
+                      launch_together, logged_losses, max_diff, needs_cuda, ok, refused_in_one_line,
+                      run_as_only_rank, succeeded, summary_val_loss, torchrun, torchrun_cmd)
 
 # bf16 compute, fp32 reduction and weights: the final loss measured 1.3e-4 from fp32's, relative.
 BF16_REL_TOL = 0.01
 
+SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+
 RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra flags)
-    # also writes a sharded checkpoint every 4 steps: the resume test continues from it
+    # fp32, what users run: the short job; also writes a sharded checkpoint every 4 steps,
+    # which the damaged-checkpoint tests below break in every way
     "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt", "--checkpoint-every=4"]),
-    # uneven shards (32 rows as 11, 11, 10); recomputes inside them; traces steps 5-7
-    "torchrun 3 ranks": (3, ["--activation-checkpointing", "--profile={folder}/trace"]),
-    # `python fsdp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
-    # through blocks that recompute their activations in backward (compiled: tp.py's spawn run,
-    # the same lines; compiling costs each process seconds of CPU)
-    "spawn 2 ranks, accum 2, AC": (None, ["--nproc=2", "--accum-steps=2",
-                                          "--activation-checkpointing"]),
-    "torchrun 1 rank, bf16": (1, ["--mixed-precision=bf16"]),
+    # fp64 on odd flags: uneven shards (32 rows as 11, 11, 10), 3 micro-batches, recomputing
+    # inside them, traces steps 5-7; a checkpoint at steps 20 and 40, continued on 2 ranks
+    "fp64, torchrun 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
+                                                "--activation-checkpointing",
+                                                "--profile={folder}/trace",
+                                                "--checkpoint={folder}/ckpt64",
+                                                "--checkpoint-every=20"]),
+    # `python fsdp.py` starts its own 4 workers (compiled: tp.py's spawn run, the same lines;
+    # compiling costs each process seconds of CPU)
+    "fp64, spawn 4 ranks": (None, ["--nproc=4", *fp64(SEED_B)]),
 }
+FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": SEED_A, "fp64, spawn 4 ranks": SEED_B}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch_runs("fsdp.py", RUNS, tmp_path_factory.mktemp("fsdp"))
+    folder = tmp_path_factory.mktemp("fsdp")
+    launched = launch_runs("fsdp.py", RUNS, folder)
+    # one rank, as torchrun's only worker, in this process: bf16 compute, fp32 state
+    return {**launched, "1 rank, bf16": ((run_as_only_rank(
+        "fsdp", ["--mixed-precision=bf16"], folder)), None)}
 
 
 def state_mib(stdout):
     return float(re.search(r"\| state ([0-9.]+) MiB/rank", stdout).group(1))
 
 
-# One rank: see the resume test, which continues on 1 (and 3) ranks to the oracle's weights.
-@pytest.mark.parametrize("name", ["torchrun 2 ranks", "torchrun 3 ranks"])
-def test_fsdp_on_n_ranks_equals_one_device(name, runs, reference, reference_val):
-    out, weights = succeeded(runs[name])  # --save: a plain state_dict, loaded strictly
+def test_fsdp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val):
+    out, weights = succeeded(runs["torchrun 2 ranks"])  # --save: a plain state_dict, strict
     assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
-def test_spawn_path_with_accumulation_and_checkpointing_equals_one_big_batch(runs, reference):
-    assert max_diff(succeeded(runs["spawn 2 ranks, accum 2, AC"])[1], reference[1]) < TOL
+@pytest.mark.parametrize("name", FP64_RUNS)
+def test_fp64_fsdp_on_3_and_4_ranks_with_accumulation_equals_the_fp64_oracle(name, runs):
+    """Reductions in float64 too (MixedPrecisionPolicy's reduce_dtype follows the weights):
+    within 1e-9 after 40 steps at lr 0.03, on two seeds."""
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
 
 
 def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_every_step(
         runs):
     """FSDP all-gathers each block's weights and reduce-scatters its gradients (over gloo,
     which has no reduce-scatter, as an all-reduce). The run still equals one device (above)."""
-    assert_profiled(runs["torchrun 3 ranks"][1].parent / "trace", 3, "forward", "backward",
-                    "optimizer step", ("gloo:all_gather", "nccl:all_gather"),
+    trace = runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "trace"
+    assert_profiled(trace, 3, "forward", "backward", "optimizer step", ("gloo:all_gather", "nccl:all_gather"),
                     ("gloo:all_reduce", "nccl:reduce_scatter"))
 
 
 def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):
     # (bf16 computes in bf16 copies; the sharded weights and Adam's state stay fp32)
-    one, two = (state_mib(succeeded(runs[n])[0]) for n in ("torchrun 1 rank, bf16",
-                                                          "torchrun 2 ranks"))
+    one = state_mib(runs["1 rank, bf16"][0][0])
+    two = state_mib(succeeded(runs["torchrun 2 ranks"])[0])
     assert two == pytest.approx(one / 2, rel=0.01)
     # weights + gradients + Adam's two moments: 4 fp32 numbers per parameter
     n_params = sum(v.numel() for v in reference_state().values())
@@ -83,24 +94,24 @@ def reference_state():
 
 
 def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
-    out = succeeded(runs["torchrun 1 rank, bf16"])[0]
+    out = runs["1 rank, bf16"][0][0]
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert losses[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
 
 
-def test_checkpoint_from_2_ranks_resumes_on_3_ranks(runs, tmp_path):
-    """The 2-rank run's sharded checkpoint (step 8), continued to step 12 on 3 ranks (the
-    shards cut anew, unevenly), ends with the weights of 12 uninterrupted steps on one device.
-    (1 rank: ddp.py's resume test; tp.py's resumes change the mesh.)"""
-    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
-    # step 4 was written, then replaced by step 8 once that was complete
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000008"]
-    shutil.copytree(ckpt, tmp_path / "c3")
-    # what a crash in the middle of writing step 10 leaves: a folder `latest` does not name
-    (tmp_path / "c3" / "step_00000010").mkdir()
-    (tmp_path / "c3" / "step_00000010" / "__0_0.distcp").write_bytes(b"half a shard")
-    assert_checkpoints_resume_to_the_oracle("fsdp.py", {3: tmp_path / "c3"}, tmp_path, TOL)
+def test_fp64_checkpoint_from_3_ranks_resumes_on_2_ranks(runs, tmp_path):
+    """The 3-rank run's sharded checkpoint (step 40), continued to step 48 on 2 ranks (the
+    shards cut anew), ends within 1e-9 of 48 uninterrupted steps on one device. (1 rank:
+    ddp.py's resume test; tp.py's resumes change the mesh.)"""
+    ckpt = runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "ckpt64"
+    # step 20 was written, then replaced by step 40 once that was complete
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000040"]
+    shutil.copytree(ckpt, tmp_path / "c2")
+    # what a crash in the middle of writing step 44 leaves: a folder `latest` does not name
+    (tmp_path / "c2" / "step_00000044").mkdir()
+    (tmp_path / "c2" / "step_00000044" / "__0_0.distcp").write_bytes(b"half a shard")
+    assert_checkpoints_resume_to_the_oracle("fsdp.py", {(2,): tmp_path / "c2"}, tmp_path, SEED_A)
 
 
 def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(runs, tmp_path):
@@ -121,6 +132,7 @@ def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(r
     ("other files", "holds no checkpoint of fsdp.py"),
     ("other size", "saved with --hidden 16 --blocks 3; use the same model size"),
     ("other batch", "written with --batch-size 60, not 64"),
+    ("other precision", "written with --fp64; add --fp64 to continue it"),
 ])
 def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(content, message, tmp_path):
     """load_checkpoint reads the small files first, on every rank, before any collective."""
@@ -140,7 +152,8 @@ def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(content, messa
             (ckpt / "step_00000004").mkdir()
             (ckpt / "latest").write_text("step_00000004")
             meta = dict(step=4, batch_size=64, seed=0, hidden=32, blocks=3)
-            meta.update(hidden=16) if content == "other size" else meta.update(batch_size=60)
+            meta.update({"other size": dict(hidden=16), "other batch": dict(batch_size=60),
+                         "other precision": dict(fp64=True)}[content])
             (ckpt / "step_00000004" / "train_state.json").write_text(json.dumps(meta))
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(SystemExit) as exit_:
@@ -261,6 +274,8 @@ def test_damaged_or_hostile_checkpoint_stops_every_rank_in_one_line_on_both_laun
 @pytest.mark.parametrize("flags, message", [
     (["--batch-size=64"], "--batch-size 64 must be divisible by world size 3"),
     (["--backend=nccl", "--device=cpu"], "shards CPU tensors, which only gloo carries"),
+    (["--batch-size=60", "--fp64", "--mixed-precision=bf16"],
+     "--fp64 with --mixed-precision bf16: one asks for more precision"),
 ])
 def test_bad_flags_are_refused_in_one_line(flags, message, as_torchrun, capsys):
     as_torchrun(3)

@@ -1,26 +1,33 @@
 """pipeline.py: pipelined stages and model parallelism train to the same weights as one
 device, and their checkpoints resume on any number of stages, or in single.py."""
 
-import os
 import shutil
-from unittest import mock
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_checkpoints_resume_to_the_oracle,
-                      assert_gpu_run_equals_oracle, assert_profiled, free_port, launch_runs,
+from conftest import (CUDA_JOB_FLAGS, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
+                      assert_checkpoints_resume_to_the_oracle, assert_fp64_run_equals_the_fp64_oracle,
+                      assert_gpu_run_equals_oracle, assert_profiled, fp64, launch_runs,
                       logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
-                      refused_in_one_line, run_in_process, succeeded, summary_val_loss, torchrun)
+                      refused_in_one_line, run_as_only_rank, run_in_process, succeeded,
+                      summary_val_loss, torchrun)
 from reference import reference_train
 
-RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule once, 2 and 3 stages once.
-    # traces steps 5-7, and writes a checkpoint every 4 steps: the resume test continues it
+SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+
+RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule in fp32 and fp64.
+    # fp32, what users run: the short job; traces steps 5-7, and writes a checkpoint every 4
+    # steps, which single.py continues below
     "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4", "--profile={folder}/trace",
                             "--checkpoint={folder}/ckpt.pt", "--checkpoint-every=4"]),
+    # fp64 on odd flags; 1F1B's checkpoint (step 40) is continued on 2 stages and in single.py
     # (compiled: tp.py's spawn run and single.py; compiling costs each process seconds)
-    "3 stages, 1f1b, AC": (3, ["--schedule=1f1b", "--microbatches=4",
-                               "--activation-checkpointing"]),
+    "fp64, 3 stages, 1f1b, AC": (3, [*fp64(SEED_A), "--schedule=1f1b", "--microbatches=6",
+                                     "--activation-checkpointing",
+                                     "--checkpoint={folder}/ckpt64.pt"]),
+    "fp64, 2 stages, gpipe": (2, [*fp64(SEED_B), "--schedule=gpipe", "--microbatches=3"]),
 }
+FP64_RUNS = {"fp64, 3 stages, 1f1b, AC": SEED_A, "fp64, 2 stages, gpipe": SEED_B}
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +38,17 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
     """One process driving 3 stages (`--nproc 1 --stages 3`), run in this process as torchrun
-    would start its only worker; `python pipeline.py` (2 stages, spawned) is launched by
-    test_defaults."""
-    world_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    with mock.patch.dict(os.environ, world_of_one):
-        return run_in_process("pipeline", ["--nproc=1", "--stages=3"],
-                              tmp_path_factory.mktemp("model_parallel"))
+    would start its only worker, in fp32 and in fp64 on both seeds; `python pipeline.py` (2
+    stages, spawned) is launched by test_defaults."""
+    folder = tmp_path_factory.mktemp("model_parallel")
+    return {seed: run_as_only_rank("pipeline", ["--nproc=1", "--stages=3",
+                                                *(fp64(seed) if seed is not None else [])], folder)
+            for seed in [None, *FP64_SEEDS]}
 
 
 def test_model_parallel_stages_in_one_process_equal_one_device(model_parallel, reference,
                                                                reference_val):
-    out, weights = model_parallel
+    out, weights = model_parallel[None]
     assert "model parallel | 3 stages" in out
     assert "stages share a device" in out  # said once, on a machine with fewer devices
     assert max_diff(weights, reference[1]) < TOL
@@ -51,19 +57,23 @@ def test_model_parallel_stages_in_one_process_equal_one_device(model_parallel, r
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_pipeline_equals_one_device(name, runs, reference):
-    out, weights = succeeded(runs[name])
+@pytest.mark.parametrize("seed", FP64_SEEDS)
+def test_fp64_model_parallel_equals_the_fp64_oracle_on_any_seed(seed, model_parallel):
+    assert_fp64_run_equals_the_fp64_oracle(model_parallel[seed], seed)
+
+
+def test_pipeline_equals_one_device_in_fp32(runs, reference, reference_val):
+    out, weights = succeeded(runs["2 stages, gpipe"])
     assert max_diff(weights, reference[1]) < TOL
     # the loss the last stage computed, brought to rank 0, is the whole batch's loss
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
-
-
-@pytest.mark.parametrize("name", RUNS)
-def test_validation_through_the_stages_is_the_exact_mean_over_the_held_out_set(
-        name, runs, reference_val):
-    out = succeeded(runs[name])[0]
+    # evaluated through the stages: the exact mean over the held-out set
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+
+
+@pytest.mark.parametrize("name", FP64_RUNS)
+def test_fp64_pipeline_1f1b_and_gpipe_equal_the_fp64_oracle(name, runs):
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
 
 
 def test_profile_writes_a_trace_per_stage_with_every_micro_batch_and_the_sends(runs):
@@ -73,19 +83,31 @@ def test_profile_writes_a_trace_per_stage_with_every_micro_batch_and_the_sends(r
                     "optimizer step", ("gloo:send", "nccl:send"), ("gloo:recv", "nccl:recv"))
 
 
-def test_checkpoint_of_2_stages_resumes_on_3_stages_and_in_single_py(runs, tmp_path):
-    """Rank 0 gathers every stage's weights and Adam state into the file single.py writes:
-    the 2-stage checkpoint (step 8), continued to step 12 on 3 stages and by single.py, ends
-    with the weights of 12 uninterrupted steps on one device."""
-    written = runs["2 stages, gpipe"][1].parent / "ckpt.pt"
-    for copy in ("c3.pt", "single.pt"):
-        shutil.copy(written, tmp_path / copy)
-    assert_checkpoints_resume_to_the_oracle("pipeline.py", {3: tmp_path / "c3.pt"}, tmp_path,
-                                            TOL)
+def test_checkpoint_of_2_stages_resumes_in_single_py(runs, tmp_path):
+    """Rank 0 gathers every stage's weights and Adam state into the file single.py writes: the
+    fp32 2-stage checkpoint (step 8), continued to step 12 by single.py, ends with the weights
+    of 12 uninterrupted steps on one device."""
+    shutil.copy(runs["2 stages, gpipe"][1].parent / "ckpt.pt", tmp_path / "single.pt")
     out, weights = run_in_process("single", ["--steps=12", f"--checkpoint={tmp_path}/single.pt"],
                                   tmp_path)
     assert "resumed from" in out and "at step 8" in out
     assert max_diff(weights, reference_train(**dict(JOB, steps=12))[1]) < TOL
+
+
+def test_fp64_checkpoint_of_3_stages_resumes_on_2_stages_and_in_single_py(runs, tmp_path):
+    """The fp64 1F1B checkpoint (step 40), continued to step 48 on 2 GPipe stages and by
+    single.py, ends within 1e-9 of 48 uninterrupted steps on one device."""
+    written = runs["fp64, 3 stages, 1f1b, AC"][1].parent / "ckpt64.pt"
+    for copy in ("c2.pt", "single.pt"):
+        shutil.copy(written, tmp_path / copy)
+    assert_checkpoints_resume_to_the_oracle(
+        "pipeline.py", {(2, "--schedule=gpipe", "--microbatches=4"): tmp_path / "c2.pt"},
+        tmp_path, SEED_A)
+    steps = FP64_JOB["steps"] + 8
+    run = run_in_process("single", [*fp64(SEED_A, steps=steps),
+                                    f"--checkpoint={tmp_path}/single.pt"], tmp_path)
+    assert f"at step {FP64_JOB['steps']}" in run[0]
+    assert_fp64_run_equals_the_fp64_oracle(run, SEED_A, steps)
 
 
 def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error(as_torchrun, capsys):

@@ -3,7 +3,8 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 
 import pytest
 
-from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, JOB, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
+from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, FP64_SEEDS, JOB, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle, fp64,
                       load_saved, logged_losses, max_diff, needs_cuda, python, run_in_process,
                       summary_val_loss)
 from reference import reference_train
@@ -22,6 +23,15 @@ def test_single_device_equals_the_oracle(reference, reference_val, tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(reference, tmp_path):
     _, weights = run_in_process("single", ["--accum-steps=3"], tmp_path)
     assert max_diff(weights, reference[1]) < TOL
+
+
+@pytest.mark.parametrize("seed", FP64_SEEDS)
+@pytest.mark.parametrize("accum", [1, 3])
+def test_fp64_with_and_without_accumulation_equals_the_fp64_oracle_on_any_seed(
+        accum, seed, tmp_path):
+    """40 steps over four epochs at lr 0.03, every tensor in float64: within 1e-9."""
+    run = run_in_process("single", [*fp64(seed), f"--accum-steps={accum}"], tmp_path)
+    assert_fp64_run_equals_the_fp64_oracle(run, seed)
 
 
 def test_checkpoint_at_step_8_resumes_to_12_uninterrupted_steps(tmp_path):
