@@ -1,0 +1,251 @@
+"""The bug zoo: ten classic mistakes, each made on purpose in a temporary copy of a script, and
+each caught. The same list is the course's exercise sheet (docs/exercises.md): break the line,
+run the test, read the failure.
+
+Each mistake is an exact replacement of lines of the real script. If a script changes so that
+the lines are no longer there (or are there twice), the test fails and says which: the zoo can
+never quietly test nothing. Most run in float64, where a correct strategy stays within 1e-9 of
+one device: every distance above that is the mistake, never rounding. Some of these mistakes
+hide in fp32 (docs/exercises.md measures both).
+"""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from common import SimpleModel
+from conftest import (FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, finish, fp64,
+                      fp64_reference, load_saved, logged_losses, max_diff, ok, run_as_only_rank,
+                      run_in_process, start, summary_val_loss, torchrun_cmd)
+from reference import reference_val_loss
+from test_amp import _scaled_backward
+
+SEED = FP64_SEEDS[0]
+
+# name: (script, [(lines of the real script, the mistake in their place), ...])
+MISTAKES = {
+    "no set_epoch": ("ddp.py", [(
+        "            sampler.set_epoch(epoch)\n",
+        "            pass  # sampler.set_epoch(epoch), forgotten\n")]),
+    "sampler seeded per rank": ("ddp.py", [(
+        "seed=args.seed, drop_last=True)",
+        "seed=args.seed + rank, drop_last=True)")]),
+    "no_sync around backward only": ("ddp.py", [(
+        "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
+        "                # Divided by K so that K micro-batch gradients add up to the mean over the\n"
+        "                # whole batch, not K times it (which would act like a K times larger lr).\n"
+        "                with record_function(\"forward\"):\n"
+        "                    loss = F.mse_loss(ddp_model(x), y) / args.accum_steps\n"
+        "                with record_function(\"backward\"):\n",
+        "            with record_function(\"forward\"):\n"
+        "                loss = F.mse_loss(ddp_model(x), y) / args.accum_steps\n"
+        "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
+        "                with record_function(\"backward\"):\n")]),
+    "mean of per-rank validation means": ("ddp.py", [(
+        "            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out\n",
+        "            x, y = x.to(device), y.to(device)\n"), (
+        "    dist.all_reduce(sums, op=dist.ReduceOp.SUM)\n"
+        "    # --- end DDP ---\n"
+        "    model.train()\n"
+        "    return (sums[0] / sums[1]).item()\n",
+        "    mean = sums[0] / sums[1]\n"
+        "    dist.all_reduce(mean, op=dist.ReduceOp.AVG)\n"
+        "    # --- end DDP ---\n"
+        "    model.train()\n"
+        "    return mean.item()\n")]),
+    "DDP wrapper's state_dict saved": ("ddp.py", [(
+        "                save_checkpoint(args, model, optimizer, step + 1)",
+        "                save_checkpoint(args, ddp_model, optimizer, step + 1)")]),
+    "loss not divided when accumulating": ("single.py", [(
+        "                loss = F.mse_loss(model(x), y) / args.accum_steps",
+        "                loss = F.mse_loss(model(x), y)")]),
+    "TP group fed by rank": ("tp.py", [(
+        "    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,",
+        "    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,")]),
+    "optimizer built before fully_shard": ("fsdp.py", [(
+        "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
+        "    # --- end FSDP ---\n",
+        "    # --- end FSDP ---\n"), (
+        "    for block in model.blocks.values():\n"
+        "        # The knob that trades memory for speed",
+        "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
+        "    for block in model.blocks.values():\n"
+        "        # The knob that trades memory for speed")]),
+    "pipeline with scale_grads=False": ("pipeline.py", [(
+        "loss_fn=F.mse_loss, scale_grads=True)",
+        "loss_fn=F.mse_loss, scale_grads=False)")]),
+    "clipping before unscale_": ("amp.py", [(
+        "    scaler.unscale_(optimizer)\n"
+        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n",
+        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n"
+        "    scaler.unscale_(optimizer)\n")]),
+}
+
+# The mistakes that need several processes, launched together (name: ranks, flags).
+LAUNCHED = {
+    "sampler seeded per rank": (2, fp64(SEED)),
+    # 3 ranks: 1000 held-out samples are dealt as 334 + 334 + 334, two duplicates
+    "mean of per-rank validation means": (3, fp64(SEED, steps=4)),
+    "TP group fed by rank": (2, fp64(SEED)),
+    "pipeline with scale_grads=False": (2, [*fp64(SEED), "--microbatches=4"]),
+}
+
+
+def mutant(name, folder):
+    """A copy of the script with the mistake made, as `folder`/<script>; fails loudly if the
+    lines it replaces are not in the real script exactly once."""
+    script, edits = MISTAKES[name]
+    text = (REPO / script).read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, (
+            f"{name}: {script} no longer holds these lines exactly once; update the zoo:\n{old}")
+        text = text.replace(old, new)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / script).write_text(text)
+    return folder / script
+
+
+def imported(path):
+    """The mutated copy at `path`, imported as a module of its own (not the real script)."""
+    spec = importlib.util.spec_from_file_location(f"mutant_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """{name: (stdout, saved weights)} of every launched mistake, run at the same time."""
+    folder = tmp_path_factory.mktemp("zoo")
+    procs = {}
+    # the copies live outside the repo: PYTHONPATH finds common.py for them
+    env = {"PYTHONPATH": str(REPO)}
+    for i, (name, (nproc, flags)) in enumerate(LAUNCHED.items()):
+        path = mutant(name, folder / f"m{i}")
+        procs[name] = start(*torchrun_cmd(nproc, path, *JOB_FLAGS, *flags,
+                                          f"--save={path.parent / 'w.pt'}"), env=env)
+    results = {name: finish(proc, timeout=150) for name, proc in procs.items()}
+    return {name: (ok(result), load_saved(folder / f"m{i}" / "w.pt"))
+            for i, (name, result) in enumerate(results.items())}
+
+
+def distance(weights, steps=None):
+    """Max weight difference from the fp64 oracle on SEED (FP64_JOB, or `steps` steps)."""
+    return max_diff(weights, fp64_reference(SEED, *([steps] if steps else []))[1])
+
+
+def test_every_mistake_replaces_lines_the_real_script_holds_exactly_once(tmp_path):
+    for name in MISTAKES:
+        assert mutant(name, tmp_path / str(abs(hash(name)))).read_text() != (
+            REPO / MISTAKES[name][0]).read_text()
+
+
+def test_no_set_epoch_replays_epoch_0s_order_and_misses_the_oracle(tmp_path):
+    """Every epoch gets epoch 0's permutation; one device draws a new one each epoch."""
+    _, weights = run_as_only_rank(imported(mutant("no set_epoch", tmp_path)), fp64(SEED),
+                                  tmp_path)
+    assert distance(weights) > FP64_TOL
+
+
+def test_a_sampler_seeded_per_rank_deals_overlapping_shards_and_misses_the_oracle(launched):
+    """Each rank shuffles differently: some samples twice in an epoch, others never."""
+    assert distance(launched["sampler seeded per rank"][1]) > FP64_TOL
+
+
+def all_reduces_per_step(trace):
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    return [sum(1 for e in events if s["ts"] <= e["ts"] < s["ts"] + s["dur"]
+                and e["name"] in ("gloo:all_reduce", "nccl:all_reduce")) for s in steps]
+
+
+def test_no_sync_around_backward_only_all_reduces_every_micro_batch(tmp_path):
+    """The weights stay right (the K all-reduced averages add up to the same gradient), so no
+    comparison with one device can see it: count the collectives. ddp.py all-reduces once per
+    step with 3 micro-batches; the mistake, whose forward ran outside no_sync() and so armed
+    DDP's hooks for every backward, 3 times. (One rank, in this process: DDP all-reduces even
+    then.)"""
+    flags = ["--accum-steps=3", f"--profile={tmp_path}/real"]
+    run_as_only_rank("ddp", flags, tmp_path)
+    assert all_reduces_per_step(tmp_path / "real" / "trace_rank0.json") == [1, 1, 1]
+    module = imported(mutant("no_sync around backward only", tmp_path / "m"))
+    _, weights = run_as_only_rank(module, [*fp64(SEED), "--accum-steps=3",
+                                           f"--profile={tmp_path}/mutant"], tmp_path)
+    assert all_reduces_per_step(tmp_path / "mutant" / "trace_rank0.json") == [3, 3, 3]
+    assert distance(weights) < FP64_TOL  # why only counting catches it
+
+
+def test_the_mean_of_per_rank_validation_means_misses_the_exact_held_out_loss(launched):
+    """On 3 ranks the held-out set pads (1002 indices for 1000 samples): averaging the
+    per-rank means counts two samples twice. Training is untouched; the number printed is
+    wrong."""
+    out, weights = launched["mean of per-rank validation means"]
+    assert distance(weights, steps=4) < FP64_TOL
+    exact = reference_val_loss(fp64_reference(SEED, 4)[1], JOB["hidden"], JOB["blocks"])
+    assert abs(summary_val_loss(out) - exact) > 10 * VAL_TOL
+
+
+def test_the_ddp_wrappers_state_dict_does_not_load_into_simplemodel(tmp_path):
+    """DDP's own state_dict names every weight "module.<name>": the checkpoint no longer loads
+    strictly into the model, so single.py, or ddp.py on another world size, cannot resume it."""
+    module = imported(mutant("DDP wrapper's state_dict saved", tmp_path / "m"))
+    run_as_only_rank(module, [f"--checkpoint={tmp_path / 'ckpt.pt'}"], tmp_path)
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert all(key.startswith("module.") for key in state)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).load_state_dict(state)
+
+
+def test_a_loss_not_divided_when_accumulating_misses_the_oracle(tmp_path):
+    """K micro-batch gradients add up to K times the batch's. Adam is nearly scale-free, so
+    the weights move only by what eps makes of it: fp64 sees it plainly (docs/exercises.md)."""
+    out, weights = run_in_process(imported(mutant("loss not divided when accumulating",
+                                                  tmp_path)),
+                                  [*fp64(SEED), "--accum-steps=3"], tmp_path)
+    assert distance(weights) > FP64_TOL
+    # and the printed loss is the sum of the micro-batches' means: 3 times the batch's
+    assert logged_losses(out)[0] == pytest.approx(3 * fp64_reference(SEED)[2][0], abs=1e-6)
+
+
+def test_a_tp_group_fed_by_rank_computes_slices_of_different_samples(launched):
+    """Each rank of a TP group computes its slice of the inner units for other samples, and the
+    all-reduce adds up pieces of different samples: it trains, and only one device shows it."""
+    assert distance(launched["TP group fed by rank"][1]) > FP64_TOL
+
+
+def test_an_optimizer_built_before_fully_shard_trains_nothing(tmp_path):
+    """It holds the parameters fully_shard replaced: no gradient ever reaches them."""
+    module = imported(mutant("optimizer built before fully_shard", tmp_path / "m"))
+    out, weights = run_as_only_rank(module, fp64(SEED, steps=4), tmp_path)
+    assert max_diff(weights, fp64_reference(SEED, 4)[0]) == 0.0  # never moved
+    assert distance(weights, steps=4) > FP64_TOL
+
+
+def test_a_pipeline_with_scale_grads_false_misses_the_oracle(launched):
+    """The last stage's loss_fn returns each micro-batch's mean; without scale_grads the
+    gradient is the sum of M of them, M times the batch's (Adam hides most of it)."""
+    assert distance(launched["pipeline with scale_grads=False"][1]) > FP64_TOL
+
+
+def test_clipping_before_unscale_clips_the_scaled_gradient(tmp_path):
+    """amp.py's own unscale test, applied to the mistake: the norm measured is 65536 times the
+    true one, and the gradient the optimizer receives is 65536 times too small."""
+    module = imported(mutant("clipping before unscale_", tmp_path))
+    scale = 65536.0
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    model, optimizer = _scaled_backward(scaler)
+    true_norm = torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() / scale for p in model.parameters()]))
+    seen = []
+    optimizer.step = lambda: seen.append(
+        torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
+    norm, _ = module.optimizer_step(model, optimizer, scaler, clip=1.0)
+    assert norm.item() == pytest.approx(scale * true_norm.item(), rel=1e-5)
+    assert seen[0].item() == pytest.approx(1.0 / scale, rel=1e-4)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
