@@ -19,6 +19,7 @@ When not
 Launch
     python dataparallel.py                   # all visible GPUs, or the CPU if there are none
     CUDA_VISIBLE_DEVICES=0,1 python dataparallel.py
+    python dataparallel.py --fp64          # float64: within ~1e-12 of single.py --fp64
     Smallest hardware: any CPU (DataParallel then just calls the model) or one GPU.
 
 What DataParallel adds to one device

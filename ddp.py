@@ -19,6 +19,9 @@ Launch
     python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
     python ddp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
     torchrun --nproc_per_node=2 ddp.py     # what clusters use; same flags after the script
+    # "my DDP run doesn't match one GPU": compare in float64, where rounding cannot part them
+    # (fp32 can, by 1e-2 on a long run): within ~1e-12 of single.py --fp64, or a bug
+    torchrun --nproc_per_node=2 ddp.py --fp64 --save ddp.pt
     # survive a crash: torchrun restarts the group, which resumes from the checkpoint
     torchrun --nproc_per_node=2 --max-restarts=3 ddp.py --checkpoint ckpt.pt
     # several machines, elastic (run the same line on each; 1 to 4 machines may take part,

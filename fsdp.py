@@ -25,6 +25,7 @@ Launch
     python fsdp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
     torchrun --nproc_per_node=2 fsdp.py     # what clusters use; same flags after the script
     torchrun --nproc_per_node=8 fsdp.py --mixed-precision bf16   # compute in bf16
+    torchrun --nproc_per_node=2 fsdp.py --fp64   # float64: within ~1e-12 of single.py --fp64
     # sharded checkpoints (a folder: each rank writes its shard), resumable on any number of
     # ranks; turn one into a single plain file with torch's own converter:
     torchrun --nproc_per_node=2 --max-restarts=3 fsdp.py --checkpoint ckpt

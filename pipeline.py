@@ -48,6 +48,7 @@ Launch
     torchrun --nproc_per_node=2 pipeline.py    # what clusters use; same flags after the script
     torchrun --nproc_per_node=3 pipeline.py --schedule 1f1b --microbatches 6
     python pipeline.py --nproc 1 --stages 2    # model parallel: one process drives 2 stages
+    python pipeline.py --fp64                  # float64: within ~1e-12 of single.py --fp64
     # survive a crash: torchrun restarts the group, which resumes from the checkpoint
     torchrun --nproc_per_node=2 --max-restarts=3 pipeline.py --checkpoint ckpt.pt
     Smallest hardware: any CPU (stages share it; pipeline ranks talk over gloo).

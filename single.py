@@ -17,6 +17,9 @@ Launch
     python single.py                    # the GPU if there is one, else the CPU
     python single.py --device cpu --steps 500 --save w.pt
     python single.py --checkpoint ckpt.pt   # resumes from ckpt.pt if it exists
+    # Does another script match one device? Run both in float64: a correct one ends within
+    # ~1e-12 of this (fp32 can part by 1e-2 on a long run; docs/proofs.md):
+    python single.py --fp64 --save one.pt
     Smallest hardware: any CPU.
 
 Read next (each diff shows one technique and nothing else)

@@ -35,6 +35,7 @@ Launch
     torchrun --nproc_per_node=2 tp.py         # pure TP: each block cut in 2
     torchrun --nproc_per_node=4 tp.py --tp 2  # 2D: 2 TP groups of 2, FSDP across them
     torchrun --nproc_per_node=4 tp.py --tp 2 --checkpoint ckpt   # resumable on any mesh
+    torchrun --nproc_per_node=2 tp.py --fp64  # float64: within ~1e-12 of single.py --fp64
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
     and every TP group inside one machine.
 

@@ -5,9 +5,10 @@
     python docs/figures.py --quick    # the same figures from shorter runs (what CI checks)
 
 proof.png      training and validation loss against step for every strategy on the tests' job,
-               and the largest weight difference from the one-device run against step.
+               and the largest weight difference from the one-device run against step, in
+               fp32 and with --fp64 (where it stays at rounding, ~1e-15).
 drift.png      1 rank against 2 ranks over a long run, several seeds: where rounding stays,
-               and where Adam and ReLU amplify it (docs/drift.md).
+               and where Adam and ReLU amplify it (docs/drift.md); in fp32 and in fp64.
 timeline.png   one training step of every rank, from `--profile` traces: compute and
                communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
 
@@ -77,25 +78,32 @@ JOB = ["--batch-size=1200", "--lr=0.003", "--seed=0", "--hidden=32", "--blocks=3
 
 def proof(steps, checkpoints, folder):
     """Loss curves of every strategy over `steps` of the tests' job, and the weight difference
-    from one device after each of `checkpoints` steps (a run of that many steps, saved)."""
-    curves, diffs = {}, {}
+    from one device after each of `checkpoints` steps (a run of that many steps, saved), in
+    fp32 and with --fp64 (every strategy but AMP, which refuses it)."""
+    curves, diffs, diffs64 = {}, {}, {}
     for label, (prefix, script, flags) in STRATEGIES.items():
-        for n in checkpoints:
-            out = launch(prefix, script, [*JOB, *flags, f"--steps={n}", "--log-every=1",
-                                          f"--eval-every={max(1, steps // 20)}",
-                                          f"--save={folder}/{script}{len(flags)}{n}.pt"])
-            if n == steps:
-                losses = [(int(s), float(x)) for s, x in re.findall(
-                    r"^step +(\d+)/\d+ \| loss ([0-9.]+)", out, re.M)]
-                val = [(int(s), float(x)) for s, x in re.findall(
-                    r"^eval +(\d+)/\d+ \| val loss ([0-9.]+)", out, re.M)]
-                curves[label] = losses, val
+        for precision in ([""] if script == "amp.py" else ["", "--fp64"]):
+            for n in checkpoints:
+                out = launch(prefix, script, [
+                    *JOB, *flags, *filter(None, [precision]), f"--steps={n}", "--log-every=1",
+                    f"--eval-every={max(1, steps // 20)}",
+                    f"--save={folder}/{script}{len(flags)}{precision}{n}.pt"])
+                if n == steps and not precision:
+                    losses = [(int(s), float(x)) for s, x in re.findall(
+                        r"^step +(\d+)/\d+ \| loss ([0-9.]+)", out, re.M)]
+                    val = [(int(s), float(x)) for s, x in re.findall(
+                        r"^eval +(\d+)/\d+ \| val loss ([0-9.]+)", out, re.M)]
+                    curves[label] = losses, val
         print(f"proof: {label} done", flush=True)
     one = "one device (single.py)"
     for label, (prefix, script, flags) in STRATEGIES.items():
         if label != one:
             diffs[label] = [max_diff(weights(f"{folder}/{script}{len(flags)}{n}.pt"),
                                      weights(f"{folder}/single.py0{n}.pt")) for n in checkpoints]
+            if script != "amp.py":
+                diffs64[label] = [max_diff(weights(f"{folder}/{script}{len(flags)}--fp64{n}.pt"),
+                                           weights(f"{folder}/single.py0--fp64{n}.pt"))
+                                  for n in checkpoints]
 
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.6))
     colors = plt.cm.tab10.colors
@@ -106,36 +114,47 @@ def proof(steps, checkpoints, folder):
                 title="Every strategy trains the same run\n(solid: training loss of the step's "
                       "batch; dashed: validation loss)")
     ax_loss.legend(fontsize=7, ncol=2)
+    floor = 1e-17  # where a difference of exactly 0 is drawn
     for (label, d), color in zip(diffs.items(), colors[1:]):
-        ax_diff.plot(checkpoints, [max(v, 1e-10) for v in d], marker="o", color=color,
+        ax_diff.plot(checkpoints, [max(v, floor) for v in d], marker="o", color=color,
                      label=label)
-    ax_diff.axhline(1e-6, color="gray", ls=":", lw=1)
-    ax_diff.text(checkpoints[-1], 1.3e-6, "the tests' bound (step 8; 12 after a resume)",
-                 fontsize=7, color="gray", ha="right")
-    ax_diff.set(xlabel="optimizer step", ylabel="max |weight - one device's| (0 drawn at 1e-10)",
-                xscale="log", yscale="log", ylim=(5e-11, 1),
-                title="Weights: equal to the last bits, then rounding grows\n(fp32; bf16 "
-                      "rounds every matmul)")
-    ax_diff.legend(fontsize=7, ncol=3, loc="lower center")  # where no curve runs
+        if label in diffs64:  # the same run with --fp64, against single.py --fp64
+            ax_diff.plot(checkpoints, [max(v, floor) for v in diffs64[label]], marker=".",
+                         ls="--", lw=1, color=color)
+    for bound, text in ((1e-6, "fp32 tests' bound (the short job)"),
+                        (1e-9, "fp64 tests' bound (any horizon)")):
+        ax_diff.axhline(bound, color="gray", ls=":", lw=1)
+        ax_diff.text(checkpoints[0], bound * 1.5, text, fontsize=7, color="gray")
+    ax_diff.set(xlabel="optimizer step", ylabel=f"max |weight - one device's| (0 drawn at "
+                                                f"{floor:.0e})",
+                xscale="log", yscale="log", ylim=(floor / 2, 1),
+                title="Weights: fp32 (solid) parts as rounding grows; --fp64 (dashed)\n"
+                      "stays at float64's rounding (bf16 rounds every matmul)")
+    ax_diff.legend(fontsize=7, ncol=3, loc="center", bbox_to_anchor=(0.5, 0.37))  # no curve here
     fig.suptitle(f"{len(STRATEGIES)} strategies on the tests' job (batch 1200 crossing epochs, "
                  f"Adam lr 3e-3, SimpleModel hidden 32 x 3 blocks), {cpu_name()}, torch "
                  f"{torch.__version__}", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "proof.png"), dpi=110)
-    return {label: d[-1] for label, d in diffs.items()}
+    return ({label: d[-1] for label, d in diffs.items()},
+            {label: d[-1] for label, d in diffs64.items()})
 
 
 def drift(steps, seeds, batch=28, lr=0.01):
     """1 rank against 2 ranks, step by step: the same arithmetic as ddp.py (2 ranks: the mean
     of two per-rank mean gradients over every other sample, which tests/test_ddp_failures.py
-    proves bit-identical to `torchrun --nproc_per_node=2 ddp.py`)."""
-    x, y = make_dataset().tensors
+    proves bit-identical to `torchrun --nproc_per_node=2 ddp.py`), in fp32 and in fp64 (the
+    same initial weights and data, cast, as --fp64 does)."""
     fig, ax = plt.subplots(figsize=(8, 4.6))
     finals = {}
-    for seed in seeds:
+    colors = plt.cm.tab10.colors
+    for (seed, dtype), color in zip([(s, d) for s in seeds for d in (torch.float32,
+                                                                      torch.float64)],
+                                    [c for c in colors[:len(seeds)] for _ in range(2)]):
+        x, y = make_dataset(dtype=dtype).tensors
         torch.manual_seed(seed)
-        one = SimpleModel()
-        two = SimpleModel()
+        one = SimpleModel().to(dtype)
+        two = SimpleModel().to(dtype)
         two.load_state_dict(one.state_dict())
         opts = [torch.optim.Adam(m.parameters(), lr=lr) for m in (one, two)]
         per_epoch, diffs = len(x) // batch, []
@@ -156,16 +175,18 @@ def drift(steps, seeds, batch=28, lr=0.01):
                 opt.step()
             diffs.append(max((p - q).abs().max().item()
                              for p, q in zip(one.parameters(), two.parameters())))
-        finals[seed] = diffs
-        ax.plot(range(1, steps + 1), [max(d, 1e-10) for d in diffs], lw=1,
-                label=f"seed {seed}")
+        fp64 = dtype == torch.float64
+        finals[seed, "fp64" if fp64 else "fp32"] = diffs
+        ax.plot(range(1, steps + 1), [max(d, 1e-17) for d in diffs], lw=1, color=color,
+                ls="--" if fp64 else "-", label=f"seed {seed}{', fp64' if fp64 else ''}")
     ax.axhline(1e-6, color="gray", ls=":", lw=1)
+    ax.axhline(1e-9, color="gray", ls=":", lw=1)
     ax.set(xlabel="optimizer step", ylabel="max |weight, 1 rank - weight, 2 ranks|",
-           yscale="log", ylim=(1e-9, 1),
+           yscale="log", ylim=(1e-17, 1),
            title=f"1 rank against 2 ranks: the same math, another summation order\n"
-                 f"(ddp.py's arithmetic, batch {batch}, Adam lr {lr}; {cpu_name()}, "
-                 f"torch {torch.__version__})")
-    ax.legend(fontsize=8)
+                 f"(ddp.py's arithmetic, batch {batch}, Adam lr {lr}; solid: fp32, dashed: fp64)\n"
+                 f"{cpu_name()}, torch {torch.__version__}")
+    ax.legend(fontsize=7, ncol=2, loc="center right")
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "drift.png"), dpi=110)
     return finals
@@ -263,19 +284,21 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         if args.quick:
-            proof_finals = proof(8, [1, 8], folder)  # 8: the tests' horizon
+            proof_finals, proof_finals64 = proof(8, [1, 8], folder)  # 8: the tests' horizon
             drift_finals = drift(60, [0, 1])
             timelines(folder, batch=256)
         else:
-            proof_finals = proof(64, [1, 2, 4, 8, 16, 32, 64], folder)
+            proof_finals, proof_finals64 = proof(64, [1, 2, 4, 8, 16, 32, 64], folder)
             drift_finals = drift(1500, [0, 1, 2, 3, 29])
             timelines(folder, batch=1024)
     print("max weight difference from one device at the last step:")
     for label, d in proof_finals.items():
-        print(f"  {label}: {d:.1e}")
-    for seed, d in drift_finals.items():
+        print(f"  {label}: {d:.1e}" + (f", with --fp64 {proof_finals64[label]:.1e}"
+                                      if label in proof_finals64 else ""))
+    for (seed, precision), d in drift_finals.items():
         marks = {s: d[s - 1] for s in (10, 50, 150, 300, 1000, len(d)) if s <= len(d)}
-        print(f"drift seed {seed}: " + ", ".join(f"step {s} {v:.1e}" for s, v in marks.items()))
+        print(f"drift seed {seed} {precision}: " + ", ".join(f"step {s} {v:.1e}"
+                                                            for s, v in marks.items()))
     print("wrote", ", ".join(os.path.join("docs", f) for f in ("proof.png", "drift.png",
                                                                 "timeline.png")))
 

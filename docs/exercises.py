@@ -1,0 +1,67 @@
+"""Measure the distances of docs/exercises.md: each mistake of the bug zoo (tests/test_zoo.py),
+and the correct script on the same flags, against one device, in fp32 and in fp64.
+
+    python docs/exercises.py       # about 4 minutes on 2 cores
+
+Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 360, lr 0.03, hidden 32, 3 blocks)
+on the zoo's seed, launched as the zoo launches it, once with --fp64 and once without; each is
+compared with tests/reference.py in the same precision. Prints the max weight difference and the
+printed validation loss's distance from the exact one. The mistakes that no weight shows (the
+collective count, the checkpoint's keys, the clipped norm) are measured by their tests.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+import conftest  # noqa: E402
+import test_zoo  # noqa: E402
+from reference import reference_train, reference_val_loss  # noqa: E402
+
+CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond the job; steps)
+    "no set_epoch": (1, [], 40),
+    "sampler seeded per rank": (2, [], 40),
+    "mean of per-rank validation means": (3, [], 4),
+    "loss not divided when accumulating": (None, ["--accum-steps=3"], 40),
+    "TP group fed by rank": (2, [], 40),
+    "optimizer built before fully_shard": (1, [], 4),
+    "pipeline with scale_grads=False": (2, ["--microbatches=4"], 40),
+}
+
+
+def main():
+    folder = Path(tempfile.mkdtemp())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    job = {**conftest.JOB, **conftest.FP64_JOB, "seed": test_zoo.SEED}
+    for i, (name, (nproc, extra, steps)) in enumerate(CASES.items()):
+        for precision in ("fp32", "fp64"):
+            oracle = reference_train(**dict(job, steps=steps), fp64=precision == "fp64")[1]
+            exact = reference_val_loss(oracle, job["hidden"], job["blocks"])
+            row = []
+            for kind in ("correct", "mistake"):
+                where = folder / f"{i}{precision}{kind}"
+                script = (test_zoo.mutant(name, where) if kind == "mistake"
+                          else REPO / test_zoo.MISTAKES[name][0])
+                flags = [f for f in conftest.fp64(job["seed"], steps=steps)
+                         if precision == "fp64" or f != "--fp64"]
+                where.mkdir(parents=True, exist_ok=True)
+                cmd = ([sys.executable, script] if nproc is None
+                       else conftest.torchrun_cmd(nproc, script))
+                result = subprocess.run(
+                    [*map(str, cmd), *conftest.JOB_FLAGS, *flags, *extra,
+                     f"--save={where / 'w.pt'}"],
+                    cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                if result.returncode:
+                    raise SystemExit(f"{name} ({precision}, {kind}) failed:\n{result.stderr}")
+                weights = conftest.load_saved(where / "w.pt")
+                row.append(f"{kind} {conftest.max_diff(weights, oracle):.1e} (val loss "
+                           f"{abs(conftest.summary_val_loss(result.stdout) - exact):.1e})")
+            print(f"{name:36s} {precision}: {'   '.join(row)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
