@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from common import SimpleModel, make_dataset
 from conftest import (CUDA_JOB_FLAGS, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_profiled, fails_clearly, fp64, launch_runs,
-                      logged_losses, logged_val_losses, max_diff, needs_2_gpus, needs_cuda,
+                      assert_profiled, fails_clearly, fp64, launch_runs, load_saved,
+                      logged_losses, logged_val_losses, max_diff, needs_2_gpus, needs_cuda, ok,
                       python, refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
                       torchrun)
 from reference import reference_val_loss
@@ -158,3 +158,12 @@ def test_ddp_nccl_two_gpus_equals_one_device(reference, tmp_path):
     result = torchrun(2, "ddp.py", *CUDA_JOB_FLAGS, "--backend=nccl",
                       f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+@needs_cuda
+def test_fp64_ddp_over_nccl_on_one_gpu_equals_the_fp64_oracle(tmp_path):
+    """NCCL all-reduces float64 as it does float32."""
+    result = torchrun(1, "ddp.py", *CUDA_JOB_FLAGS, *fp64(SEED_A), "--backend=nccl",
+                      "--accum-steps=3", f"--save={tmp_path / 'w.pt'}")
+    assert_fp64_run_equals_the_fp64_oracle((ok(result), load_saved(tmp_path / "w.pt")), SEED_A)
+

@@ -94,7 +94,8 @@ def test_checkpoint_of_the_other_precision_is_refused_in_one_line_and_left_as_it
         common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0,
                             "fp64": saved_fp64}, ckpt)
         before = ckpt.read_bytes()
-        with pytest.raises(SystemExit, match=f"{script}.py: error: --checkpoint {ckpt}: {message}"):
+        line = f"{script}.py: error: --checkpoint {ckpt}: {message}"
+        with pytest.raises(SystemExit, match=line):
             module.load_checkpoint(args, common.SimpleModel())
         assert ckpt.read_bytes() == before
 

@@ -15,7 +15,8 @@ import torch
 import common
 from common import SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
-                      assert_checkpoints_resume_to_the_oracle, assert_fp64_run_equals_the_fp64_oracle,
+                      assert_checkpoints_resume_to_the_oracle,
+                      assert_fp64_run_equals_the_fp64_oracle,
                       assert_gpu_run_equals_oracle, assert_profiled, fp64, launch_runs,
                       launch_together, logged_losses, max_diff, needs_cuda, ok, refused_in_one_line,
                       run_as_only_rank, succeeded, summary_val_loss, torchrun, torchrun_cmd)
@@ -75,7 +76,8 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_
     """FSDP all-gathers each block's weights and reduce-scatters its gradients (over gloo,
     which has no reduce-scatter, as an all-reduce). The run still equals one device (above)."""
     trace = runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "trace"
-    assert_profiled(trace, 3, "forward", "backward", "optimizer step", ("gloo:all_gather", "nccl:all_gather"),
+    assert_profiled(trace, 3, "forward", "backward", "optimizer step",
+                    ("gloo:all_gather", "nccl:all_gather"),
                     ("gloo:all_reduce", "nccl:reduce_scatter"))
 
 

@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from conftest import (CUDA_JOB_FLAGS, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
-                      assert_checkpoints_resume_to_the_oracle, assert_fp64_run_equals_the_fp64_oracle,
+                      assert_checkpoints_resume_to_the_oracle,
+                      assert_fp64_run_equals_the_fp64_oracle,
                       assert_gpu_run_equals_oracle, assert_profiled, fp64, launch_runs,
                       logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
                       refused_in_one_line, run_as_only_rank, run_in_process, succeeded,

@@ -5,8 +5,8 @@ import pytest
 
 from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, FP64_SEEDS, JOB, TOL, VAL_TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle, fp64,
-                      load_saved, logged_losses, max_diff, needs_cuda, python, run_in_process,
-                      summary_val_loss)
+                      load_saved, logged_losses, max_diff, needs_cuda, ok, python,
+                      run_in_process, summary_val_loss)
 from reference import reference_train
 
 
@@ -74,3 +74,12 @@ def test_single_gpu_equals_the_oracle(reference, tmp_path):
     result = python("single.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
     assert load_saved(tmp_path / "w.pt")  # saved as CPU tensors: loads without map_location
+
+
+@needs_cuda
+@pytest.mark.parametrize("seed", FP64_SEEDS)
+def test_fp64_on_the_gpu_equals_the_fp64_oracle_on_the_cpu(seed, tmp_path):
+    """cuBLAS in float64 adds in other orders than the CPU: rounding at ~1e-14, under 1e-9."""
+    result = python("single.py", *CUDA_JOB_FLAGS, *fp64(seed), f"--save={tmp_path / 'w.pt'}")
+    assert_fp64_run_equals_the_fp64_oracle((ok(result), load_saved(tmp_path / "w.pt")), seed)
+

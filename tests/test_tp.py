@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from common import SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, JOB, TOL, VAL_TOL,
-                      assert_checkpoints_resume_to_the_oracle, assert_fp64_run_equals_the_fp64_oracle,
+                      assert_checkpoints_resume_to_the_oracle,
+                      assert_fp64_run_equals_the_fp64_oracle,
                       assert_gpu_run_equals_oracle, fp64, launch_runs, logged_losses, max_diff,
                       needs_cuda, refused_in_one_line, succeeded, summary_val_loss, torchrun)
 

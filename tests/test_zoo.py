@@ -35,8 +35,10 @@ MISTAKES = {
         "seed=args.seed + rank, drop_last=True)")]),
     "no_sync around backward only": ("ddp.py", [(
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
-        "                # Divided by K so that K micro-batch gradients add up to the mean over the\n"
-        "                # whole batch, not K times it (which would act like a K times larger lr).\n"
+        "                # Divided by K so that K micro-batch gradients add up to the mean "
+        "over the\n"
+        "                # whole batch, not K times it (which would act like a K times "
+        "larger lr).\n"
         "                with record_function(\"forward\"):\n"
         "                    loss = F.mse_loss(ddp_model(x), y) / args.accum_steps\n"
         "                with record_function(\"backward\"):\n",
@@ -45,7 +47,8 @@ MISTAKES = {
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
         "                with record_function(\"backward\"):\n")]),
     "mean of per-rank validation means": ("ddp.py", [(
-        "            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out\n",
+        "            x, y = x[:real].to(device), y[:real].to(device)"
+        "  # the padded duplicates: left out\n",
         "            x, y = x.to(device), y.to(device)\n"), (
         "    dist.all_reduce(sums, op=dist.ReduceOp.SUM)\n"
         "    # --- end DDP ---\n"
@@ -63,8 +66,10 @@ MISTAKES = {
         "                loss = F.mse_loss(model(x), y) / args.accum_steps",
         "                loss = F.mse_loss(model(x), y)")]),
     "TP group fed by rank": ("tp.py", [(
-        "    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,",
-        "    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,")]),
+        "    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, "
+        "shuffle=True,",
+        "    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, "
+        "shuffle=True,")]),
     "optimizer built before fully_shard": ("fsdp.py", [(
         "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
         "    # --- end FSDP ---\n",
