@@ -112,10 +112,10 @@ def launch(*cmd, timeout=90, env=None):
     return finish(start(*cmd, env=env), timeout)
 
 
-def launch_together(commands, timeout=150):
+def launch_together(commands, timeout=150, env=None):
     """Run several commands at the same time; return their results in order. Independent
     runs overlap one's imports and rendezvous with another's compute: the suite stays fast."""
-    procs = [start(*cmd) for cmd in commands]
+    procs = [start(*cmd, env=env) for cmd in commands]
     try:
         return [finish(proc, timeout) for proc in procs]
     finally:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from common import SimpleModel
-from conftest import (FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, finish, fp64,
-                      fp64_reference, load_saved, logged_losses, max_diff, ok, run_as_only_rank,
-                      run_in_process, start, summary_val_loss, torchrun_cmd)
+from conftest import (FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, fp64, fp64_reference,
+                      launch_together, load_saved, logged_losses, max_diff, ok,
+                      run_as_only_rank, run_in_process, summary_val_loss, torchrun_cmd)
 from reference import reference_val_loss
 from test_amp import _scaled_backward
 
@@ -125,16 +125,13 @@ def imported(path):
 def launched(tmp_path_factory):
     """{name: (stdout, saved weights)} of every launched mistake, run at the same time."""
     folder = tmp_path_factory.mktemp("zoo")
-    procs = {}
-    # the copies live outside the repo: PYTHONPATH finds common.py for them
-    env = {"PYTHONPATH": str(REPO)}
-    for i, (name, (nproc, flags)) in enumerate(LAUNCHED.items()):
-        path = mutant(name, folder / f"m{i}")
-        procs[name] = start(*torchrun_cmd(nproc, path, *JOB_FLAGS, *flags,
-                                          f"--save={path.parent / 'w.pt'}"), env=env)
-    results = {name: finish(proc, timeout=150) for name, proc in procs.items()}
-    return {name: (ok(result), load_saved(folder / f"m{i}" / "w.pt"))
-            for i, (name, result) in enumerate(results.items())}
+    paths = [mutant(name, folder / f"m{i}") for i, name in enumerate(LAUNCHED)]
+    results = launch_together(
+        [torchrun_cmd(nproc, path, *JOB_FLAGS, *flags, f"--save={path.parent / 'w.pt'}")
+         for path, (nproc, flags) in zip(paths, LAUNCHED.values())],
+        env={"PYTHONPATH": str(REPO)})  # the copies live outside the repo: common.py is here
+    return {name: (ok(result), load_saved(path.parent / "w.pt"))
+            for name, path, result in zip(LAUNCHED, paths, results)}
 
 
 def distance(weights, steps=None):
