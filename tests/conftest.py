@@ -180,17 +180,17 @@ def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed):
     """Continue each of `checkpoints` ({(ranks, extra flags): path}, written at the end of
     FP64_JOB on `seed`) for 8 more steps, on that many ranks, all at once. Each must say where
     it resumed and end within FP64_TOL of the fp64 oracle's weights after as many uninterrupted
-    steps."""
+    steps, with its exact validation loss."""
     steps = FP64_JOB["steps"]
     resumed = launch_together([
         torchrun_cmd(nproc, script, *JOB_FLAGS, *fp64(seed, steps=steps + 8), *extra,
                      f"--checkpoint={path}", f"--save={folder / f'w{i}.pt'}")
         for i, ((nproc, *extra), path) in enumerate(checkpoints.items())])
-    expected = fp64_reference(seed, steps + 8)[1]
     for i, result in enumerate(resumed):
         out = ok(result)
         assert "resumed from" in out and f"at step {steps}" in out
-        assert max_diff(load_saved(folder / f"w{i}.pt"), expected) < FP64_TOL
+        assert_fp64_run_equals_the_fp64_oracle((out, load_saved(folder / f"w{i}.pt")), seed,
+                                               steps + 8)
 
 
 def succeeded(run):
