@@ -7,10 +7,12 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -118,6 +120,43 @@ def launch_together(commands, timeout=150, env=None):
     procs = [start(*cmd, env=env) for cmd in commands]
     try:
         return [finish(proc, timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+# Launches a test module asks for early: started as soon as the tests are collected, they run
+# beside the tests that run in this process (on one core), so the suite ends sooner on a small
+# machine. A module offers them as early_launches(folder) -> (commands, env); its fixture takes
+# the results with early_results(its __name__).
+EARLY = {}
+EARLY_FOLDERS = []
+
+
+def pytest_collection_finish(session):
+    for module in {item.module for item in session.items if hasattr(item, "module")}:
+        if hasattr(module, "early_launches"):
+            folder = Path(tempfile.mkdtemp(prefix=f"{module.__name__}-"))
+            EARLY_FOLDERS.append(folder)
+            commands, env = module.early_launches(folder)
+            EARLY[module.__name__] = folder, [start(*cmd, env=env) for cmd in commands]
+
+
+def pytest_sessionfinish(session):
+    for folder, procs in EARLY.values():  # launched, never collected (-x, say): stop them
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for folder in EARLY_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def early_results(module_name, timeout=150):
+    """(folder, results in order) of the launches `module_name` asked for early."""
+    folder, procs = EARLY.pop(module_name)
+    try:
+        return folder, [finish(proc, timeout) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:

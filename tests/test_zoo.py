@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from common import SimpleModel
-from conftest import (FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, fp64, fp64_reference,
-                      launch_together, load_saved, logged_losses, max_diff, ok,
+from conftest import (FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, early_results, fp64,
+                      fp64_reference, load_saved, logged_losses, max_diff, ok,
                       run_as_only_rank, run_in_process, summary_val_loss, torchrun_cmd)
 from reference import reference_val_loss
 from test_amp import _scaled_backward
@@ -121,17 +121,23 @@ def imported(path):
     return module
 
 
+def early_launches(folder):
+    """The launched mistakes, each a copy in folder/m<i>, all started when the tests are
+    collected (conftest.py): they run while the tests before the zoo do."""
+    commands = []
+    for i, (name, (nproc, flags)) in enumerate(LAUNCHED.items()):
+        path = mutant(name, folder / f"m{i}")
+        commands.append(torchrun_cmd(nproc, path, *JOB_FLAGS, *flags,
+                                     f"--save={path.parent / 'w.pt'}"))
+    return commands, {"PYTHONPATH": str(REPO)}  # the copies live outside the repo: common.py
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """{name: (stdout, saved weights)} of every launched mistake, run at the same time."""
-    folder = tmp_path_factory.mktemp("zoo")
-    paths = [mutant(name, folder / f"m{i}") for i, name in enumerate(LAUNCHED)]
-    results = launch_together(
-        [torchrun_cmd(nproc, path, *JOB_FLAGS, *flags, f"--save={path.parent / 'w.pt'}")
-         for path, (nproc, flags) in zip(paths, LAUNCHED.values())],
-        env={"PYTHONPATH": str(REPO)})  # the copies live outside the repo: common.py is here
-    return {name: (ok(result), load_saved(path.parent / "w.pt"))
-            for name, path, result in zip(LAUNCHED, paths, results)}
+def launched():
+    """{name: (stdout, saved weights)} of every launched mistake."""
+    folder, results = early_results(__name__)
+    return {name: (ok(result), load_saved(folder / f"m{i}" / "w.pt"))
+            for i, (name, result) in enumerate(zip(LAUNCHED, results))}
 
 
 def distance(weights, steps=None):
