@@ -38,7 +38,6 @@ import argparse
 import functools
 import itertools
 import os
-import shutil
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +47,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import fail, num_params, positive, print0, save_atomic, seed_everything
+from common import compile_problem
 
 
 def parse_args(argv=None):
@@ -98,15 +98,9 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    if args.compile:
-        try:  # on a Python it does not support, torch.compile says so at once
-            torch.compile(lambda: None)
-        except RuntimeError as e:
-            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
-                         "--compile")
-        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
-            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
-                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
+    problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
+    if problem:
+        parser.error(problem)
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
@@ -243,7 +237,7 @@ def train(args, device, dtype):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
-    profiler = Profiler(args.profile, 0)  # does nothing without --profile
+    profiler = Profiler(args.profile, 0, device)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)

@@ -1,18 +1,24 @@
 """What every script in this collection shares and none of them teaches.
 
-The model, the data, seeding, and the log lines. Nothing here knows about DataParallel, DDP,
-mixed precision or pipelines: the technique lives in its own script, in plain sight. Importing
-this file does nothing but define things.
+The model, the data, seeding, and the log lines; the plumbing around them (flag checks, how
+many GPUs a machine's ranks have, the one-line error, atomic saves, the sharded-checkpoint
+loader that reads data and never code, the timer and the profiler); and the diagnostics
+(`python common.py`). Nothing here knows about DataParallel, DDP, mixed precision or
+pipelines: the technique lives in its own script, in plain sight. Importing this file does
+nothing but define things.
 """
 
 import argparse
 import contextlib
 import datetime
 import json
+import multiprocessing
 import os
 import pickle
 import resource
+import shutil
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -118,13 +124,77 @@ def positive(kind):
     return parse
 
 
+def compile_problem(use_cuda):
+    """Why --compile cannot work on this machine, as a one-line error, or None if it can.
+
+    torch.compile fails late and at length (a compiler's traceback from inside the first
+    step, in every process) where it could be told at once what is missing.
+    """
+    try:  # on a Python it does not support, torch.compile says so at once
+        torch.compile(lambda: None)
+    except RuntimeError as e:
+        return f"--compile: {e}; use a Python that torch.compile supports, or drop --compile"
+    if not use_cuda:
+        if shutil.which(os.environ.get("CXX", "g++")) is None:
+            return ("--compile on the CPU: inductor compiles C++ and finds no compiler "
+                    "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
+        return None
+    # On a GPU inductor writes Triton kernels, and Triton builds each kernel's launcher as a
+    # small C extension module: with $CC, else gcc, else clang, against Python.h.
+    if shutil.which(os.environ.get("CC", "")) is None and shutil.which("gcc") is None \
+            and shutil.which("clang") is None:
+        return ("--compile on a GPU: Triton builds its kernel launchers with a C compiler and "
+                "finds none ($CC, gcc or clang); install one (apt-get install gcc) or drop "
+                "--compile")
+    if not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        return ("--compile on a GPU: Triton builds its kernel launchers against Python's "
+                "headers and finds no Python.h; install them (apt-get install python3-dev) "
+                "or drop --compile")
+    return None
+
+
+def most_workers(gpus, batch_size, accum_steps=1):
+    """The default worker count: one per GPU (2 on a machine without), or fewer where that many
+    would not divide the batch evenly (on 6 GPUs --batch-size 64 runs on 4, 16 samples each;
+    --batch-size 96 would use all 6)."""
+    return max((n for n in range(1, (gpus or 2) + 1) if batch_size % (n * accum_steps) == 0),
+               default=1)
+
+
+def machine_gpus():
+    """How many GPUs the ranks on this machine drive between them.
+
+    torchrun, and the scripts' own workers (`python ddp.py`), show every worker all of the
+    machine's GPUs: local rank r drives cuda:(r mod count), and more ranks than GPUs share them.
+    Other launchers can give each process one GPU of its own and hide the rest (srun
+    --gpus-per-task=1, one container per rank): then each of the LOCAL_WORLD_SIZE ranks sees a
+    single GPU, its cuda:0, and the machine has one per rank, for NCCL as for the memory.
+    """
+    visible = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    started_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    started_by_the_script = multiprocessing.parent_process() is not None  # mp.spawn's workers
+    if visible == 1 and local_world > 1 and not started_by_torchrun \
+            and not started_by_the_script:
+        return local_world
+    return visible
+
+
 def fail(message):
     """Stop this process with `message` as its one error line (on stderr) and exit status 1.
 
     Under torchrun the line also goes into the error file torchrun gives each worker
     (TORCHELASTIC_ERROR_FILE), so the "Root Cause" at the bottom of torchrun's failure report
     repeats it, instead of "To enable traceback see: ...".
+    The scripts call it where every rank stops at the same point for the same reason (a
+    checkpoint that all of them read and refuse), so no peer waits inside a collective and
+    NCCL's group can be left cleanly: it would otherwise warn at exit that
+    destroy_process_group() was never called, under the one line. (A gloo group is left to the
+    exit, as it always was: tearing it down here could abort the exit on torch 2.13,
+    docs/traps.md#sigabrt.)
     """
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.destroy_process_group()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
@@ -319,17 +389,25 @@ class Meter:
         else:
             timed, samples, elapsed = self.steps, self.samples, self.last - self.start
         rate = samples / max(elapsed, 1e-9)
-        if self.gpus:  # summed over the GPUs this process drives
-            peak = sum(torch.cuda.max_memory_allocated(gpu) for gpu in self.gpus)
-            peak = f"{peak / 2**20:.1f} MiB (CUDA)"
+        if self.gpus:
+            # Summed over the GPUs this process drives. Allocated: what tensors held at the
+            # peak. Reserved: what the caching allocator took from the GPU for them (the
+            # figure nvidia-smi's share of this process is closer to, CUDA context aside).
+            allocated = sum(torch.cuda.max_memory_allocated(gpu) for gpu in self.gpus)
+            reserved = sum(torch.cuda.max_memory_reserved(gpu) for gpu in self.gpus)
+            peak = (f"{allocated / 2**20:.1f} MiB allocated, {reserved / 2**20:.1f} MiB "
+                    f"reserved (CUDA{f', {len(self.gpus)} GPUs' if len(self.gpus) > 1 else ''})")
         else:
             # ru_maxrss is in KiB on Linux: the whole process, Python and torch included.
             peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB (RSS)"
         line = (f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
                 f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}")
         if self.gpus:
-            # forward + backward of a dense layer cost about 6 FLOPs per weight per sample.
-            line += f" | {flops_per_sample * rate / 1e12:.2f} TFLOP/s"
+            # The model's FLOPs, as MFU counts them: forward + backward of a dense layer cost
+            # about 6 per weight per sample. `rate` is the whole job's samples/s (the global
+            # batch), so this is the job's figure, not one GPU's, and activation
+            # checkpointing's recomputation (about 2 more per weight) is not in it.
+            line += f" | {flops_per_sample * rate / 1e12:.2f} model TFLOP/s (job)"
         line += f" | first step {self.first_step:.2f} s"
         if state_bytes is not None:
             line += f" | state {state_bytes / 2**20:.3f} MiB/rank"
@@ -344,16 +422,20 @@ class Profiler:
     `folder`/trace_rank<R>.json is written: open it in https://ui.perfetto.dev or
     chrome://tracing. Recorded steps run slower (every op is timed, and its inputs' shapes
     kept), and the summary's samples/s includes them: profile and benchmark in separate runs.
+    `device`: the run's device, or the list of them; GPU kernels are recorded only if one is.
     """
 
-    def __init__(self, folder, rank, skip=3, warmup=1, active=3):
+    def __init__(self, folder, rank, device, skip=3, warmup=1, active=3):
         self.prof = None
         if folder is None:
             return
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"trace_rank{rank}.json")
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        devices = device if isinstance(device, (list, tuple)) else [device]
+        if any(d.type == "cuda" for d in devices):
+            # Only when this run uses a GPU: CUDA activity starts CUPTI and a CUDA context
+            # (on GPU 0, in every rank) even for a run that never touches the GPU.
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(
             activities=activities, record_shapes=True,
@@ -418,10 +500,12 @@ def environment_report():
                                              ("mpi", dist.is_mpi_available()))
                 if available]
     lines.append(f"process-group backends: {', '.join(backends)}")
-    nproc = gpus or 2
+    # What `python ddp.py` starts: as many ranks as divide its default --batch-size 64.
+    nproc = most_workers(gpus, 64)
     lines.append(f"launch: torchrun --nproc_per_node={nproc} ddp.py   "
-                 f"({'one rank per GPU, NCCL' if gpus else 'CPU ranks over gloo'}); "
-                 f"check first: torchrun --nproc_per_node={nproc} common.py")
+                 f"({'one rank per GPU, NCCL' if gpus else 'CPU ranks over gloo'}"
+                 f"{f'; {nproc} of {gpus} GPUs divide --batch-size 64' if nproc < gpus else ''})"
+                 f"; check first: torchrun --nproc_per_node={nproc} common.py")
     return "\n".join(lines)
 
 
@@ -432,13 +516,16 @@ def communication_check(device="auto", timeout_s=60, sizes=tuple(4**k for k in r
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     use_nccl = device != "cpu" and torch.cuda.is_available() and \
-        int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
-    device = torch.device("cuda", local_rank) if use_nccl else torch.device("cpu")
+        int(os.environ["LOCAL_WORLD_SIZE"]) <= machine_gpus()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_nccl \
+        else torch.device("cpu")
     if use_nccl:
         torch.cuda.set_device(device)
     # A peer that never arrives, or cannot be reached, ends in an error after timeout_s.
+    # device_id binds NCCL to this rank's GPU (else barrier() guesses it, with a warning).
     dist.init_process_group("nccl" if use_nccl else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if use_nccl else None)
     backend = dist.get_backend()
     x = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(x)

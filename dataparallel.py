@@ -20,7 +20,7 @@ Launch
     python dataparallel.py                   # all visible GPUs, or the CPU if there are none
     CUDA_VISIBLE_DEVICES=0,1 python dataparallel.py
     python dataparallel.py --fp64          # float64: within ~1e-12 of single.py --fp64
-    Smallest hardware: any CPU (DataParallel then just calls the model) or one GPU.
+    Smallest hardware: any CPU (the model then runs unwrapped) or one GPU.
 
 What DataParallel adds to one device
     diff single.py dataparallel.py
@@ -95,6 +95,14 @@ def parse_args(argv=None):
         # not follow it there (its docs recommend DDP).
         parser.error("--compile: not with DataParallel, which copies the model to each GPU "
                      "every step; use ddp.py --compile (or single.py --compile)")
+    if args.activation_checkpointing and use_cuda and torch.cuda.device_count() > 1:
+        # The checkpointed forward below is stored on each block (its __dict__), bound to the
+        # block on GPU 0, and DataParallel copies a module's __dict__ into every replica: each
+        # replica would run GPU 0's weights on its own GPU's slice, and fail.
+        parser.error(f"--activation-checkpointing: not with DataParallel on "
+                     f"{torch.cuda.device_count()} GPUs (its replicas would all run GPU 0's "
+                     "weights); use ddp.py --activation-checkpointing, or one GPU "
+                     "(CUDA_VISIBLE_DEVICES=0)")
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
@@ -120,7 +128,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
     print(f"dataparallel: {torch.cuda.device_count() if use_cuda else 'no'} GPU(s)"
-          f"{'' if use_cuda else ', so DataParallel simply calls the model on the CPU'} | "
+          f"{'' if use_cuda else ', so the model runs unwrapped on the CPU'} | "
           f"device {device.type} | torch {torch.__version__}", flush=True)
     return device
 
@@ -169,7 +177,9 @@ def train(args, device):
     # one real copy on GPU 0: the result is the full-batch gradient, as on one device.
     # Per-replica state would not be shared: a BatchNorm would normalize each slice with its
     # own statistics (SyncBatchNorm fixes that, in DDP); SimpleModel has none.
-    dp_model = DataParallel(model)  # device_ids: every visible GPU; without GPUs, a no-op
+    # device_ids: every visible GPU. On the CPU, no wrapper at all: DataParallel would still
+    # take the visible GPUs, and refuse a model whose weights are not on the first of them.
+    dp_model = DataParallel(model) if device.type == "cuda" else model
     # --- end DataParallel ---
     optimizer = torch.optim.Adam(dp_model.parameters(), lr=args.lr)
     start_step = 0
@@ -187,8 +197,10 @@ def train(args, device):
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
     steps_per_epoch = len(loader) // args.accum_steps
 
-    meter = Meter(device)
-    profiler = Profiler(args.profile, 0)  # does nothing without --profile
+    # Every GPU the replicas run on: the clock waits for all, and the peak memory adds up.
+    meter = Meter([torch.device("cuda", i) for i in dp_model.device_ids]
+                  if device.type == "cuda" else device)
+    profiler = Profiler(args.profile, 0, device)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)

@@ -52,7 +52,6 @@ import datetime
 import functools
 import itertools
 import os
-import shutil
 import socket
 import time
 
@@ -67,6 +66,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import fail, num_params, positive, print0, save_atomic, seed_everything
+from common import compile_problem, machine_gpus, most_workers
 
 
 def parse_args(argv=None):
@@ -118,25 +118,16 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    if args.compile:
-        try:  # on a Python it does not support, torch.compile says so at once
-            torch.compile(lambda: None)
-        except RuntimeError as e:
-            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
-                         "--compile")
-        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
-            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
-                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
-    gpus = torch.cuda.device_count() if use_cuda else 0
+    problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
+    if problem:
+        parser.error(problem)
+    gpus = machine_gpus() if use_cuda else 0
     if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
         world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     else:
         if args.nproc is None:
-            # One worker per GPU (2 on a CPU), or as many as divide the batch: on 6 GPUs
-            # --batch-size 64 runs on 4 (16 samples each); --batch-size 96 would use all 6.
-            args.nproc = max(n for n in range(1, (gpus or 2) + 1)
-                             if args.batch_size % (n * args.accum_steps) == 0)
+            args.nproc = most_workers(gpus, args.batch_size, args.accum_steps)
             if args.nproc < gpus:
                 print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
                       f"that divide --batch-size {args.batch_size}; pass a multiple of "
@@ -180,13 +171,7 @@ def setup(args):
         device = torch.device("cpu")
     backend = args.backend
     if backend == "auto":
-        backend = "nccl" if use_cuda and local_world <= torch.cuda.device_count() else "gloo"
-    if use_cuda and backend == "gloo":
-        # More ranks than GPUs: gloo ranks share them through host copies. Fine on a
-        # workstation; refused on GPUs in EXCLUSIVE_PROCESS mode, common on clusters, and
-        # gloo's CUDA support is retired upstream (docs/traps.md#gloo-on-gpus).
-        print0(f"ddp: {local_world} ranks share {torch.cuda.device_count()} GPU(s) over gloo: "
-               "a test setup, not a fast one")
+        backend = "nccl" if use_cuda and local_world <= machine_gpus() else "gloo"
     timeout = datetime.timedelta(seconds=args.timeout)
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -202,6 +187,12 @@ def setup(args):
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     print0(f"ddp: {world_size} ranks | backend {backend} | device {device.type} | "
            f"torch {torch.__version__}")
+    if use_cuda and backend == "gloo":
+        # More ranks than GPUs: gloo ranks share them through host copies. Fine on a
+        # workstation; refused on GPUs in EXCLUSIVE_PROCESS mode, common on clusters, and
+        # gloo's CUDA support is retired upstream (docs/traps.md#gloo-on-gpus).
+        print0(f"ddp: {local_world} ranks share {machine_gpus()} GPU(s) over gloo: a test "
+               "setup, not a fast one")
     return rank, world_size, device
 
 
@@ -307,7 +298,7 @@ def train(args, rank, world_size, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
-    profiler = Profiler(args.profile, rank)  # does nothing without --profile
+    profiler = Profiler(args.profile, rank, device)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)

@@ -68,7 +68,6 @@ import datetime
 import functools
 import itertools
 import os
-import shutil
 import socket
 import time
 
@@ -83,7 +82,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
 from common import eval_line, fail, log_line, make_dataset, num_params, positive, print0
-from common import save_atomic, seed_everything
+from common import compile_problem, machine_gpus, save_atomic, seed_everything
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -143,16 +142,10 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    if args.compile:
-        try:  # on a Python it does not support, torch.compile says so at once
-            torch.compile(lambda: None)
-        except RuntimeError as e:
-            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
-                         "--compile")
-        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
-            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
-                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
-    gpus = torch.cuda.device_count() if use_cuda else 0
+    problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
+    if problem:
+        parser.error(problem)
+    gpus = machine_gpus() if use_cuda else 0
     if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
         world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -213,8 +206,9 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
-        # cuda:8 does not exist. parse_args checked that every stage has a GPU of its own.
-        device = torch.device("cuda", local_rank)
+        # cuda:8 does not exist. parse_args checked that every stage has a GPU of its own
+        # (cuda:0, where a launcher shows each rank only its own).
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
         torch.cuda.set_device(device)
@@ -402,7 +396,7 @@ def train(args, rank, world_size, devices):
     steps_per_epoch = len(loader)
 
     meter = Meter(devices)  # every stage's device: the clock waits for all of them
-    profiler = Profiler(args.profile, rank)  # does nothing without --profile
+    profiler = Profiler(args.profile, rank, devices)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)

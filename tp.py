@@ -83,7 +83,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, MLP_RATIO, Meter, Profiler, SimpleModel, eval_line, log_line
 from common import fail, load_sharded, make_dataset, num_params, positive, print0, save_atomic
-from common import seed_everything
+from common import compile_problem, machine_gpus, seed_everything
 
 
 def parse_args(argv=None):
@@ -139,16 +139,10 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    if args.compile:
-        try:  # on a Python it does not support, torch.compile says so at once
-            torch.compile(lambda: None)
-        except RuntimeError as e:
-            parser.error(f"--compile: {e}; use a Python that torch.compile supports, or drop "
-                         "--compile")
-        if not use_cuda and shutil.which(os.environ.get("CXX", "g++")) is None:
-            parser.error("--compile on the CPU: inductor compiles C++ and finds no compiler "
-                         "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
-    gpus = torch.cuda.device_count() if use_cuda else 0
+    problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
+    if problem:
+        parser.error(problem)
+    gpus = machine_gpus() if use_cuda else 0
     if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
         world_size = int(os.environ["WORLD_SIZE"])
         local_world = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -156,9 +150,9 @@ def parse_args(argv=None):
         if args.nproc is None:
             # One worker per GPU (2 on a CPU), or as many as divide the batch and each block's
             # inner width: on 6 GPUs the defaults run on 4; --batch-size 96 --hidden 96 uses 6.
-            args.nproc = max(n for n in range(1, (gpus or 2) + 1)
-                             if args.batch_size % (n * args.accum_steps) == 0
-                             and MLP_RATIO * args.hidden % n == 0)
+            args.nproc = max((n for n in range(1, (gpus or 2) + 1)
+                              if args.batch_size % (n * args.accum_steps) == 0
+                              and MLP_RATIO * args.hidden % n == 0), default=1)
             if args.nproc < gpus:
                 print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
                       f"that divide --batch-size {args.batch_size}; pass a multiple of "
@@ -166,8 +160,8 @@ def parse_args(argv=None):
                       flush=True)
         world_size = local_world = args.nproc
     if use_cuda and local_world > gpus:
-        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: TP's all-reduces and
-        # need NCCL, and NCCL one GPU per rank.
+        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: TP's all-reduces of GPU
+        # tensors need NCCL, and NCCL one GPU per rank.
         parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): TP on GPUs "
                      "needs one GPU per rank; use fewer ranks or --device cpu")
     args.tp = args.tp or world_size
@@ -211,8 +205,8 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
-        # cuda:8 does not exist.
-        device = torch.device("cuda", local_rank)
+        # cuda:8 does not exist. (A rank that sees only a GPU of its own has it as cuda:0.)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
         torch.cuda.set_device(device)
@@ -386,7 +380,7 @@ def train(args, rank, world_size, device):
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
-    profiler = Profiler(args.profile, rank)  # does nothing without --profile
+    profiler = Profiler(args.profile, rank, device)  # does nothing without --profile
     final_loss = val_loss = float("nan")
     for step in range(start_step, args.steps):
         epoch, index = divmod(step, steps_per_epoch)

@@ -11,6 +11,9 @@ drift.png      1 rank against 2 ranks over a long run, several seeds: where roun
                and where Adam and ReLU amplify it (docs/drift.md); in fp32 and in fp64.
 timeline.png   one training step of every rank, from `--profile` traces: compute and
                communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
+timeline-gpu.png   the same from this machine's GPUs (python docs/figures.py --device cuda;
+               on one GPU: 2 DDP ranks sharing it over gloo, FSDP on 1 rank, model
+               parallelism); the GPU tests regenerate it (docs/gpu.md).
 
 Each run is launched as a user would (python X.py / torchrun), with OMP_NUM_THREADS=1.
 """
@@ -54,9 +57,9 @@ STRATEGIES = {
 }
 
 
-def launch(prefix, script, flags):
+def launch(prefix, script, flags, device="cpu"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([*prefix, script, "--device=cpu", *flags], cwd=REPO, env=env,
+    result = subprocess.run([*prefix, script, f"--device={device}", *flags], cwd=REPO, env=env,
                             text=True, capture_output=True, timeout=900)
     if result.returncode:
         raise SystemExit(f"{script} {' '.join(flags)} failed:\n{result.stderr[-3000:]}")
@@ -230,7 +233,7 @@ def event_kind(name):
     return None
 
 
-def timelines(folder, batch):
+def timelines(folder, batch, device="cpu"):
     runs = {
         "DDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "ddp.py", []),
         "FSDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "fsdp.py", []),
@@ -239,13 +242,19 @@ def timelines(folder, batch):
         "pipeline 1F1B, 2 stages, 4 micro-batches": ([*TORCHRUN, "--nproc_per_node=2"],
                                                      "pipeline.py", ["--schedule=1f1b"]),
     }
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        # One GPU: NCCL needs a GPU per rank, so two DDP ranks share it over gloo, and FSDP and
+        # the pipeline run as one process.
+        runs = {"DDP, 2 ranks sharing 1 GPU (gloo)": runs["DDP, 2 ranks"],
+                "FSDP, 1 rank": ([*TORCHRUN, "--nproc_per_node=1"], "fsdp.py", []),
+                "model parallel, 2 stages in 1 process": ([sys.executable], "pipeline.py", [])}
     colors = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2",
               "communication": "#dd8452"}
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.5 + 1.3 * len(runs)))
     for ax, (label, (prefix, script, flags)) in zip(axes, runs.items()):
         out = os.path.join(folder, re.sub(r"\W+", "_", label))
         launch(prefix, script, [*flags, "--steps=8", f"--batch-size={batch}",
-                                "--hidden=256", f"--profile={out}"])
+                                "--hidden=256", f"--profile={out}"], device)
         rows = trace_rows(out)
         for rank, (spans, _) in rows.items():
             for kind in ("forward", "backward", "optimizer", "communication"):
@@ -258,13 +267,16 @@ def timelines(folder, batch):
         ax.set_xlim(0, max(total for _, total in rows.values()))
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     axes[-1].set_xlabel("milliseconds since the start of the step")
+    where = f"{cpu_name()}, gloo" if device == "cpu" else \
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     fig.suptitle(f"Where a step's time goes, per rank (torch.profiler, --profile; batch {batch}, "
-                 f"hidden 256; {cpu_name()}, gloo)\ncommunication includes waiting for the "
+                 f"hidden 256; {where})\ncommunication includes waiting for the "
                  "peer: in a pipeline, the bubble", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.legend(handles, list(colors), fontsize=8, ncol=4, loc="upper center",
                bbox_to_anchor=(0.5, 0.935))
-    fig.savefig(os.path.join(HERE, "timeline.png"), dpi=110)
+    fig.savefig(os.path.join(HERE, "timeline.png" if device == "cpu" else "timeline-gpu.png"),
+                dpi=110)
 
 
 def cpu_name():
@@ -280,7 +292,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="shorter runs (what CI checks): the same figures, less history")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: only the timeline, from runs on this machine's GPUs, into "
+                             "docs/timeline-gpu.png (the other figures are the CPU's proofs)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        with tempfile.TemporaryDirectory() as folder:
+            timelines(folder, batch=256 if args.quick else 1024, device="cuda")
+        print("wrote", os.path.join("docs", "timeline-gpu.png"))
+        return
     with tempfile.TemporaryDirectory() as folder:
         if args.quick:
             proof_finals, proof_finals64 = proof(8, [1, 8], folder)  # 8: the tests' horizon

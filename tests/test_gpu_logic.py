@@ -1,16 +1,22 @@
 """What the scripts decide from the GPUs they find, proven on a CPU by faking what they read
 (torch.cuda.is_available, device_count, get_device_capability, the accelerator): default worker
-and stage counts on 1-8 GPUs, the autocast type by compute capability, FSDP's mesh on the CPU
+and stage counts on 1-8 GPUs, the autocast type by compute capability, every script's CPU run
+where GPUs are visible, one GPU per rank (srun --gpus-per-task=1), FSDP's mesh on the CPU
 where a GPU is visible, weights saved as CPU tensors, and a clock that waits for every GPU."""
 
+import functools
 import importlib
 import sys
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import common
-from conftest import JOB_FLAGS, free_port, load_saved, max_diff, ok, launch
+from conftest import (JOB_FLAGS, TOL, free_port, launch, load_saved, max_diff, ok,
+                      refused_in_one_line, run_as_only_rank, run_in_process)
 
 # GPUs: the workers `python ddp.py` / `python fsdp.py` start by default for --batch-size 64
 # (the most that divide it), and the stages `python pipeline.py` cuts --blocks 4 into, with
@@ -113,9 +119,175 @@ def test_the_clock_waits_for_every_gpu_of_a_model_parallel_run(monkeypatch):
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(str(device)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2**21)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)]
     meter = common.Meter(devices)
     synced.clear()
     meter.step(64)
     assert synced == ["cuda:0", "cuda:1"]
-    assert "peak mem 2.0 MiB (CUDA)" in meter.summary(0.1, 1, 0.1)  # both GPUs, once each
+    summary = meter.summary(0.1, 1, 0.1)  # both GPUs, once each, summed
+    assert "peak mem 2.0 MiB allocated, 4.0 MiB reserved (CUDA, 2 GPUs)" in summary
+    assert "model TFLOP/s (job)" in summary
+
+
+# Each script's own flags for a run that equals the oracle (amp.py: autocast off).
+ON_ONE_DEVICE = {"single": [], "dataparallel": [], "amp": ["--dtype=fp32"]}
+ON_ONE_RANK = {"ddp": [], "fsdp": [], "tp": [], "pipeline": []}
+
+
+@pytest.mark.parametrize("script", [*ON_ONE_DEVICE, *ON_ONE_RANK])
+def test_every_cpu_run_where_gpus_are_visible_ends_with_the_oracles_weights(
+        script, fake_gpus, reference, tmp_path):
+    """--device cpu on a machine with 2 GPUs (faked: any CUDA call would fail) stays on the CPU.
+    DataParallel used to take the GPUs anyway, and refuse the CPU model."""
+    fake_gpus(2)
+    if script in ON_ONE_DEVICE:
+        out, weights = run_in_process(script, ON_ONE_DEVICE[script], tmp_path)
+    else:  # the distributed scripts, as torchrun's only worker
+        out, weights = run_as_only_rank(script, ON_ONE_RANK[script], tmp_path)
+    assert "MiB (RSS)" in out  # the summary measured the CPU process: no GPU was used
+    assert max_diff(weights, reference[1]) < TOL
+
+
+class Joined(Exception):
+    """Raised by a faked init_process_group: setup() got as far as joining the group."""
+
+
+@pytest.fixture
+def joining(monkeypatch):
+    """Fakes what setup() calls on a GPU before it joins; returns what it was called with."""
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("gpu", device))
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda precision: None)
+
+    def init_process_group(backend=None, **kwargs):
+        calls.update(backend=backend, device_id=kwargs.get("device_id"))
+        raise Joined
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    return calls
+
+
+@pytest.mark.parametrize("script", ["ddp", "fsdp", "tp", "pipeline"])
+def test_one_visible_gpu_per_rank_is_each_ranks_own_cuda0_over_nccl(
+        script, fake_gpus, as_torchrun, joining, monkeypatch):
+    """srun --gpus-per-task=1 (or a container per rank): 4 ranks on a machine, each seeing one
+    GPU, its own. Every rank drives its cuda:0 over NCCL; none refuses or falls back to gloo."""
+    fake_gpus(1)
+    as_torchrun(4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not torchrun: srun started it
+    module = importlib.import_module(script)
+    with pytest.raises(Joined):
+        module.setup(module.parse_args(["--device=cuda"]))
+    assert joining == {"gpu": torch.device("cuda", 0), "backend": "nccl",
+                       "device_id": torch.device("cuda", 0)}
+
+
+@pytest.mark.parametrize("script", ["fsdp", "tp", "pipeline"])
+def test_under_torchrun_one_gpu_for_4_ranks_is_shared_and_refused(script, fake_gpus,
+                                                                  as_torchrun, monkeypatch,
+                                                                  capsys):
+    """torchrun shows every worker all of the machine's GPUs: one GPU for 4 ranks is one GPU
+    they would share, which NCCL cannot do."""
+    fake_gpus(1)
+    as_torchrun(4)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    refused_in_one_line(script, ["--device=cuda"], "but 1 GPU(s)", capsys)
+
+
+def test_under_torchrun_ddp_shares_one_gpu_between_4_ranks_over_gloo(fake_gpus, as_torchrun,
+                                                                       joining, monkeypatch):
+    fake_gpus(1)
+    as_torchrun(4)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    import ddp
+    with pytest.raises(Joined):
+        ddp.setup(ddp.parse_args(["--device=cuda"]))
+    assert joining == {"gpu": torch.device("cuda", 0), "backend": "gloo", "device_id": None}
+
+
+def test_dataparallel_refuses_activation_checkpointing_on_2_gpus_in_one_line(fake_gpus, capsys):
+    fake_gpus(1)
+    import dataparallel
+    assert dataparallel.parse_args(["--device=cuda", "--activation-checkpointing"])
+    fake_gpus(2)
+    refused_in_one_line("dataparallel", ["--device=cuda", "--activation-checkpointing"],
+                        "not with DataParallel on 2 GPUs", capsys)
+
+
+def test_why_a_dataparallel_replica_would_run_gpu0s_checkpointed_forward():
+    """The reason for the refusal above: a forward stored on a module instance is copied, bound
+    to the original, into every replica DataParallel makes of it."""
+    block = common.Block(4)
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    replica = block._replicate_for_data_parallel()
+    assert replica.forward.args[0].__self__ is block
+
+
+def test_the_profiler_records_gpu_kernels_only_for_a_run_on_a_gpu(fake_gpus, monkeypatch,
+                                                                  tmp_path):
+    fake_gpus(1)
+    asked = []
+
+    class Recorder:
+        def __init__(self, activities, **kwargs):
+            asked.append(set(activities))
+
+        def start(self):
+            pass
+    monkeypatch.setattr(torch.profiler, "profile", Recorder)
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    common.Profiler(tmp_path, 0, torch.device("cpu"))
+    common.Profiler(tmp_path, 0, [torch.device("cpu"), torch.device("cuda", 0)])
+    assert asked == [{cpu}, {cpu, cuda}]
+
+
+@pytest.mark.parametrize("backend, destroyed", [("nccl", True), ("gloo", False)])
+def test_a_refusal_over_nccl_leaves_the_group_before_its_one_line(backend, destroyed,
+                                                                 monkeypatch):
+    left = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: left.append(True))
+    with pytest.raises(SystemExit, match="^the reason$"):
+        common.fail("the reason")
+    assert left == ([True] if destroyed else [])
+
+
+def test_the_communication_check_binds_nccl_to_its_rank_s_gpu(fake_gpus, as_torchrun, joining,
+                                                             monkeypatch):
+    fake_gpus(2)
+    as_torchrun(2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(Joined):
+        common.communication_check()
+    assert joining == {"gpu": torch.device("cuda", 1), "backend": "nccl",
+                       "device_id": torch.device("cuda", 1)}
+
+
+@pytest.mark.parametrize("gpus", [3, 6])
+def test_python_common_py_suggests_the_rank_count_ddp_py_takes(gpus, fake_gpus, monkeypatch):
+    fake_gpus(gpus)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(
+        name="GPU", total_memory=2**35, major=9, minor=0))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
+    report = common.environment_report()
+    import ddp
+    assert f"torchrun --nproc_per_node={ddp.parse_args([]).nproc} ddp.py" in report
+    assert f"{DEFAULT_WORKERS[gpus]} of {gpus} GPUs divide --batch-size 64" in report
+
+
+@pytest.mark.parametrize("missing, says", [("compiler", "finds none ($CC, gcc or clang)"),
+                                           ("Python.h", "finds no Python.h")])
+def test_compile_on_a_gpu_without_what_triton_builds_with_is_refused_in_one_line(
+        missing, says, fake_gpus, monkeypatch, tmp_path, capsys):
+    fake_gpus(1)
+    monkeypatch.delenv("CC", raising=False)
+    if missing == "compiler":
+        monkeypatch.setattr(common.shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setattr(common.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    refused_in_one_line("single", ["--device=cuda", "--compile"], says, capsys)
