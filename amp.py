@@ -11,6 +11,7 @@ What it teaches
 When to use it
     Any training on a GPU with tensor cores (V100 and T4: fp16; A100/H100 and later: bf16, the
     default where the GPU runs it natively). Often 2-3x faster and half the activation memory.
+    (V100 runs only torch's CUDA 12.6 wheels; PyPI's CUDA 13 ones start at T4: docs/gpu.md.)
 When not
     On a CPU it mostly shows the API: bf16 matmuls are rarely faster there. At tiny model sizes
     (like the default here) kernel launches, not math, set the pace and AMP gains nothing.
