@@ -266,7 +266,7 @@ def train(args, device, dtype):
             # --- end AMP ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            _, skipped = optimizer_step(model, optimizer, scaler, args.clip)
+            grad_norm, skipped = optimizer_step(model, optimizer, scaler, args.clip)
         if skipped:
             print(f"step {step + 1}: skipped, inf/NaN gradients; fp16 loss scale lowered to "
                   f"{scaler.get_scale():g}", flush=True)
@@ -275,7 +275,8 @@ def train(args, device, dtype):
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             final_loss = loss_sum.item()
-            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, args.batch_size, device, autocast_dtype)

@@ -456,9 +456,11 @@ class Profiler:
             self.prof.stop()
 
 
-def log_line(step, steps, loss, samples_per_s):
-    """The per-step line every script prints, so their logs can be compared side by side."""
-    return f"step {step:5d}/{steps} | loss {loss:.6f} | {samples_per_s:10.1f} samples/s"
+def log_line(step, steps, loss, grad_norm, samples_per_s):
+    """The per-step line every script prints, so their logs can be compared side by side.
+    grad_norm: the whole gradient's norm, before --clip (7 significant digits)."""
+    return (f"step {step:5d}/{steps} | loss {loss:.6f} | grad norm {grad_norm:.6e} | "
+            f"{samples_per_s:10.1f} samples/s")
 
 
 def eval_line(step, steps, val_loss):

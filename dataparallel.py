@@ -62,6 +62,9 @@ def parse_args(argv=None):
                             "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
     train.add_argument("--eval-every", type=positive(int), default=50,
                        help="steps between evaluations on the held-out set (and at the end)")
@@ -106,6 +109,8 @@ def parse_args(argv=None):
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -220,6 +225,10 @@ def train(args, device):
                 loss.backward()
             loss_sum += loss.detach()
         with record_function("optimizer step"):
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -227,7 +236,8 @@ def train(args, device):
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             final_loss = loss_sum.item()
-            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(dp_model, val_set, args.batch_size, device)

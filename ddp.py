@@ -15,9 +15,20 @@ When not
     The model (plus optimizer state) does not fit on one device: shard it (fsdp.py) or cut it
     into stages (pipeline.py).
 
+ZeRO-1 (--zero1), and why DDP stops there
+    Adam keeps two moments per weight: with fp32 weights and gradients that is half of the 16
+    bytes every replica holds per weight. --zero1 (ZeroRedundancyOptimizer) gives each rank the
+    moments of 1/N of the parameters: it steps only those and then broadcasts them, so the
+    weights end as plain DDP's and the memory per rank falls from 16 to 8 + 8/N bytes per
+    weight, for one broadcast of the weights per step. Sharding more needs another
+    communication pattern than DDP's: ZeRO-2 (gradients) replaces the all-reduce with a
+    reduce-scatter, ZeRO-3 (weights) gathers each layer before use. That is FSDP: fsdp.py,
+    whose --reshard-after-forward false is ZeRO-2's trade. docs/memory.md measures the ladder.
+
 Launch
     python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
     python ddp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
+    python ddp.py --zero1                  # ZeRO-1: Adam's state sharded over the ranks
     torchrun --nproc_per_node=2 ddp.py     # what clusters use; same flags after the script
     # "my DDP run doesn't match one GPU": compare in float64, where rounding cannot part them
     # (fp32 can, by 1e-2 on a long run): within ~1e-12 of single.py --fp64, or a bug
@@ -59,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
@@ -83,6 +95,9 @@ def parse_args(argv=None):
                             "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
     train.add_argument("--eval-every", type=positive(int), default=50,
                        help="steps between evaluations on the held-out set (and at the end)")
@@ -97,6 +112,9 @@ def parse_args(argv=None):
     hardware.add_argument("--activation-checkpointing", action="store_true",
                           help="drop each block's activations after forward and recompute "
                                "them in backward: less memory, about one more forward")
+    hardware.add_argument("--zero1", action="store_true",
+                          help="ZeRO-1: each rank keeps and updates Adam's state for 1/N of the "
+                               "parameters (ZeroRedundancyOptimizer); same weights, less memory")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL when every rank has a GPU of its own, else gloo")
     hardware.add_argument("--nproc", type=positive(int), default=None,
@@ -141,6 +159,8 @@ def parse_args(argv=None):
         parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
                      f"{world_size} x --accum-steps {args.accum_steps}; "
                      f"use a multiple of {world_size * args.accum_steps}")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -275,7 +295,17 @@ def train(args, rank, world_size, device):
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end DDP ---
-    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
+    if args.zero1:
+        # --- ZeRO-1: shard the optimizer's state ---
+        # Parameters are dealt to ranks, balanced by size. Each rank's Adam holds the
+        # moments of its own share only and steps only that share; step() then broadcasts
+        # every share from its owner, so all replicas end the step with the same weights as
+        # plain DDP's Adam. Weights and gradients stay whole (DDP's all-reduce is as before).
+        optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(),
+                                            optimizer_class=torch.optim.Adam, lr=args.lr)
+        # --- end ZeRO-1 ---
+    else:
+        optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
     start_step = 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
@@ -326,6 +356,12 @@ def train(args, rank, world_size, device):
             # --- end DDP ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
+            # --clip. After backward every replica holds the averaged gradient of the whole
+            # batch, so each rank measures the whole gradient's norm and all clip alike.
+            # (Clipping before the average, each rank its own gradient, would clip another
+            # vector on every rank: the replicas would part.) Returns the norm before clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -336,7 +372,8 @@ def train(args, rank, world_size, device):
             # depends only on the step. Printing is rank 0's job; averaging is everybody's.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
-            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
@@ -347,11 +384,29 @@ def train(args, rank, world_size, device):
             # The replicas are identical: one writer is enough. Nothing in the file depends on
             # the world size, so a run saved on 2 ranks resumes on 1 or 3 (what lets elastic
             # torchrun go on with the machines it still has).
+            if args.zero1:
+                # The moments are spread over the ranks: gather them on rank 0 first, a
+                # collective every rank calls (one broadcast per parameter: 6.0 ms for the
+                # default model on 2 CPU ranks, measured in docs/memory.md). The file is then
+                # a plain Adam state_dict, so it resumes with or without --zero1, on any N.
+                optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+                         state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
+
+
+def held_bytes(model, optimizer):
+    """Bytes this rank holds for weights, gradients and Adam's two moments: all of them, or
+    with --zero1 the moments of its own share only (ZeroRedundancyOptimizer's local Adam,
+    .optim). A gradient has its weight's size; Adam's step counters are scalars, left out."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(v.numel() * v.element_size()
+                  for state in getattr(optimizer, "optim", optimizer).state.values()
+                  for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return 2 * weights + moments
 
 
 def save_checkpoint(args, model, optimizer, step):

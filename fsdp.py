@@ -20,11 +20,22 @@ When not
     The model fits: ddp.py is simpler and faster (no all-gather in every forward and backward).
     Slow links between the devices: cut the model into stages instead (pipeline.py).
 
+Two knobs between DDP and full sharding (docs/memory.md measures each)
+    --reshard-after-forward false keeps each block's gathered weights from its forward to its
+    backward: one all-gather per block per step instead of two, at the memory of the whole
+    weights during the step (ZeRO-2's trade: gradients and Adam's state stay sharded).
+    --replicate R (HSDP) shards over groups of N/R ranks and replicates across the R groups:
+    the all-gathers and reduce-scatters stay inside a group (one machine's fast links), and
+    only an all-reduce of the 1/(N/R) gradient shards crosses between groups. The layout for
+    several machines: --replicate <machines>, so each machine holds one whole copy.
+
 Launch
     python fsdp.py                          # starts its own workers: one per GPU, or 2 on a CPU
     python fsdp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
     torchrun --nproc_per_node=2 fsdp.py     # what clusters use; same flags after the script
     torchrun --nproc_per_node=8 fsdp.py --mixed-precision bf16   # compute in bf16
+    torchrun --nproc_per_node=4 fsdp.py --replicate 2   # HSDP: 2 copies, each sharded in 2
+    torchrun --nproc_per_node=2 fsdp.py --reshard-after-forward false   # ZeRO-2-like
     torchrun --nproc_per_node=2 fsdp.py --fp64   # float64: within ~1e-12 of single.py --fp64
     # sharded checkpoints (a folder: each rank writes its shard), resumable on any number of
     # ranks; turn one into a single plain file with torch's own converter:
@@ -98,6 +109,9 @@ def parse_args(argv=None):
                             "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
     train.add_argument("--eval-every", type=positive(int), default=50,
                        help="steps between evaluations on the held-out set (and at the end)")
@@ -114,6 +128,12 @@ def parse_args(argv=None):
                                "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
+    hardware.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                          help="false: keep each block's gathered weights from forward to "
+                               "backward (one all-gather less per step, more memory)")
+    hardware.add_argument("--replicate", type=positive(int), default=1, metavar="R",
+                          help="HSDP: R replicas, each sharded over N/R ranks (default 1: "
+                               "every rank holds a different shard)")
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     hardware.add_argument("--nproc", type=positive(int), default=None,
@@ -162,6 +182,9 @@ def parse_args(argv=None):
         parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or "
                      "later (older ones sum the gradients instead of averaging them); "
                      "upgrade torch, or run on GPUs")
+    if world_size % args.replicate:
+        parser.error(f"--replicate {args.replicate} must divide the world size {world_size} "
+                     "(each replica shards over the same number of ranks); pick a divisor")
     if args.fp64 and args.mixed_precision != "off":
         parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: one asks for more "
                      "precision, the other for less; drop one of them")
@@ -173,6 +196,8 @@ def parse_args(argv=None):
         parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
                      f"{world_size} x --accum-steps {args.accum_steps}; "
                      f"use a multiple of {world_size * args.accum_steps}")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -300,7 +325,13 @@ def train(args, rank, world_size, device):
     # The ranks the shards are spread over, on the device the tensors live on. Without mesh=,
     # fully_shard builds one on the machine's accelerator, whatever --device says: with a GPU
     # visible, `--device cpu` would try to put every rank on a GPU ("invalid device ordinal").
-    mesh = init_device_mesh(device.type, (world_size,))
+    # --replicate R (HSDP): a 2D mesh, R rows of N/R ranks. fully_shard shards along a row
+    # ("shard": reduce-scatter, all-gather) and replicates along a column ("replicate": the
+    # gradient shards are all-reduced across the R copies, as DDP does).
+    mesh = init_device_mesh(device.type, (args.replicate, world_size // args.replicate),
+                            mesh_dim_names=("replicate", "shard")) if args.replicate > 1 \
+        else init_device_mesh(device.type, (world_size,))
+    keep = args.reshard_after_forward == "false"
     # Each Block becomes one unit of communication: its weights are gathered just before it
     # runs and freed right after, so only one block is ever whole at a time. Blocks first,
     # then the root (which takes the rest: the input and output layers). The other order
@@ -309,12 +340,12 @@ def train(args, rank, world_size, device):
     # averages, and the ranks drift apart (input.weight 0.15 apart after 12 Adam steps on
     # 2 ranks, measured on torch 2.13).
     for block in model.blocks.values():
-        # The knob that trades memory for speed: reshard_after_forward=False keeps each
-        # block's gathered weights from its forward until its backward, one all-gather less
-        # per step, at the memory of the whole unsharded model (as DDP holds it).
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        # The knob that trades memory for speed: reshard_after_forward=False (--reshard-after-
+        # forward false) keeps each block's gathered weights from its forward until its
+        # backward, one all-gather less per step, at the memory of the whole unsharded model.
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not keep)
     # The whole model's output goes back to the weights' dtype, so the loss is computed in it.
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+    fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=dtype, output_dtype=dtype))
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
@@ -380,6 +411,14 @@ def train(args, rank, world_size, device):
             # --- end FSDP ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
+            # --clip. Each rank holds 1/N of every gradient (a DTensor shard). On DTensors
+            # clip_grad_norm_ adds the shards' squared norms over the mesh, so it clips to
+            # the whole gradient's norm (and returns it as a DTensor: full_tensor() reads it).
+            # The same call on the local shards (p.grad.to_local(), as code copied from FSDP1
+            # does) measures about 1/sqrt(N) of the norm, another on every rank: each rank
+            # would clip by its own factor (pytorch/pytorch#170862).
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -390,7 +429,8 @@ def train(args, rank, world_size, device):
             # depends only on the step. Printing is rank 0's job; averaging is everybody's.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
-            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.full_tensor().item(),
+                        samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):

@@ -99,6 +99,9 @@ def parse_args(argv=None):
                        help="train in float64 (weights, data, Adam's state, every collective): "
                             "slower, but a correct strategy then ends within ~1e-12 of "
                             "single.py --fp64, so a gap is a bug, not rounding")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
     train.add_argument("--eval-every", type=positive(int), default=50,
                        help="steps between evaluations on the held-out set (and at the end)")
@@ -187,6 +190,8 @@ def parse_args(argv=None):
         # Every stage gets at least one block (input layer on the first, output on the last).
         parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
                      f"block; use --blocks {args.stages} or more, or fewer stages")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -432,6 +437,17 @@ def train(args, rank, world_size, devices):
                     else torch.zeros((), device=device, dtype=dtype))
             # --- end pipeline parallelism ---
         with record_function("optimizer step"):
+            # --clip. A stage holds only its own parameters, so its norm is of a part of the
+            # gradient: clip_grad_norm_ on it would clip every stage by its own factor. The
+            # whole norm: the stages' squared norms, added up over the pipeline (as torchtitan
+            # does); one process driving every stage has them all already.
+            params = [p for s in stages for p in s.parameters()]
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if world_size > 1:
+                grad_norm = grad_norm.square()
+                dist.all_reduce(grad_norm)
+                grad_norm = grad_norm.sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, args.clip or float("inf"), grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -443,7 +459,8 @@ def train(args, rank, world_size, devices):
                 # so every rank must reach it at the same steps.
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             final_loss = loss.item()
-            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             # every rank, at the same steps: it sends and receives
             with meter.paused(), record_function("evaluation"):

@@ -100,6 +100,9 @@ def parse_args(argv=None):
                             "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
     train.add_argument("--eval-every", type=positive(int), default=50,
                        help="steps between evaluations on the held-out set (and at the end)")
@@ -187,6 +190,8 @@ def parse_args(argv=None):
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} TP "
                      f"group(s) x --accum-steps {args.accum_steps}; "
                      f"use a multiple of {dp * args.accum_steps}")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -409,6 +414,9 @@ def train(args, rank, world_size, device):
             # --- end TP ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
+            # --clip: to the norm of the whole gradient, sharded and whole pieces together
+            # (clip_grad_norm, below: torch's own cannot mix them). Returns the norm.
+            grad_norm = clip_grad_norm(model.parameters(), args.clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -419,7 +427,8 @@ def train(args, rank, world_size, device):
             # depends only on the step. Printing is rank 0's job; averaging is everybody's.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
-            print0(log_line(step + 1, args.steps, final_loss, samples_per_s))
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
@@ -432,6 +441,28 @@ def train(args, rank, world_size, device):
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
                          state_bytes=sharded_bytes(model, optimizer)))
     return model, final_loss, val_loss
+
+
+def clip_grad_norm(parameters, max_norm):
+    """clip_grad_norm_ for TP and 2D: clip to the whole gradient's norm; return that norm.
+
+    The blocks' gradients are DTensors sharded over the TP group (2D: over both mesh
+    dimensions); the input and output layers' are plain tensors, whole on every rank (2D:
+    DTensors on the "dp" mesh only). torch.nn.utils.clip_grad_norm_ cannot mix them ("got
+    mixed torch.Tensor and DTensor"; across meshes, pytorch/pytorch#180346), and the norm of
+    each rank's local pieces would miss the other ranks' shards. So each parameter's norm is
+    made whole first (a DTensor's norm is a partial value; full_tensor() adds up the shards'
+    squares over its own mesh: one small all-reduce per parameter, nothing at this size), and
+    clipping scales every piece by the same factor, by clip_grad_norm_'s own formula.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(
+        [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(factor)
+    return total
 
 
 def sharded_bytes(model, optimizer):

@@ -23,6 +23,7 @@ import test_zoo  # noqa: E402
 from reference import reference_train, reference_val_loss  # noqa: E402
 
 CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond the job; steps)
+    # (a --clip among the flags clips the oracle too)
     "no set_epoch": (1, [], 40),
     "sampler seeded per rank": (2, [], 40),
     "mean of per-rank validation means": (3, [], 4),
@@ -30,6 +31,7 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "TP group fed by rank": (2, [], 40),
     "optimizer built before fully_shard": (1, [], 4),
     "pipeline with scale_grads=False": (2, ["--microbatches=4"], 40),
+    "FSDP clipped by the norm of the local shards": (2, [f"--clip={conftest.FP64_CLIP}"], 4),
 }
 
 
@@ -38,8 +40,10 @@ def main():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     job = {**conftest.JOB, **conftest.FP64_JOB, "seed": test_zoo.SEED}
     for i, (name, (nproc, extra, steps)) in enumerate(CASES.items()):
+        clip = next((float(f.split("=")[1]) for f in extra if f.startswith("--clip=")), None)
         for precision in ("fp32", "fp64"):
-            oracle = reference_train(**dict(job, steps=steps), fp64=precision == "fp64")[1]
+            oracle = reference_train(**dict(job, steps=steps), fp64=precision == "fp64",
+                                     clip=clip)[1]
             exact = reference_val_loss(oracle, job["hidden"], job["blocks"])
             row = []
             for kind in ("correct", "mistake"):

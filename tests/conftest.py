@@ -45,22 +45,30 @@ JOB = dict(steps=8, batch_size=1200, lr=3e-3, seed=0, hidden=32, blocks=3)
 FP64_JOB = dict(steps=40, batch_size=360, lr=0.03)  # 360: 2, 3 and 4 ranks, x3 micro-batches
 FP64_SEEDS = [int(s) for s in os.environ.get("FP64_SEEDS", "1,2").split(",")]
 FP64_TOL = 1e-9
+# --clip on the fp64 proof's runs that name it: below every step's gradient norm of FP64_JOB
+# (measured: at least 0.055 on seeds 1-8, clipped or not), so clipping acts at every step;
+# each such test also checks that against the oracle's norms.
+FP64_CLIP = 0.02
 # Every test names its device: on a machine with GPUs, "auto" would move a CPU test there.
 JOB_FLAGS = [*(f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()), "--device=cpu"]
 CUDA_JOB_FLAGS = [*JOB_FLAGS[:-1], "--device=cuda"]
 
 
-def fp64(seed, steps=FP64_JOB["steps"]):
-    """Flags that turn JOB into FP64_JOB on `seed` (they come after JOB's, and the last wins)."""
-    job = dict(FP64_JOB, steps=steps, seed=seed)
+def fp64(seed, steps=FP64_JOB["steps"], clip=None):
+    """Flags that turn JOB into FP64_JOB on `seed` (they come after JOB's, and the last wins),
+    clipped to `clip` if given."""
+    job = dict(FP64_JOB, steps=steps, seed=seed, **({"clip": clip} if clip else {}))
     return ["--fp64", *(f"--{k.replace('_', '-')}={v}" for k, v in job.items())]
 
 
 @functools.lru_cache(maxsize=None)
-def fp64_reference(seed, steps=FP64_JOB["steps"]):
-    """The oracle's (initial, final weights, losses) for FP64_JOB on `seed`, in float64."""
+def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None):
+    """The oracle's (initial, final weights, losses, gradient norms) for FP64_JOB on `seed`,
+    in float64, clipped to `clip` if given."""
     from reference import reference_train
-    return reference_train(**{**JOB, **FP64_JOB, "steps": steps, "seed": seed}, fp64=True)
+    norms = []
+    return (*reference_train(**{**JOB, **FP64_JOB, "steps": steps, "seed": seed}, fp64=True,
+                             clip=clip, norms=norms), norms)
 
 # One rule for every strategy and device: the saved weights are within TOL of the oracle's
 # (tests/reference.py, on the CPU) after JOB. Another summation order (ranks, micro-batches,
@@ -239,21 +247,24 @@ def run_as_only_rank(script, flags, folder):
         return run_in_process(script, flags, folder)
 
 
-def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed):
+def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed, clip=None):
     """Continue each of `checkpoints` ({(ranks, extra flags): path}, written at the end of
-    FP64_JOB on `seed`) for 8 more steps, on that many ranks, all at once. Each must say where
-    it resumed and end within FP64_TOL of the fp64 oracle's weights after as many uninterrupted
-    steps, with its exact validation loss."""
+    FP64_JOB on `seed`, clipped to `clip`; or {...: (path, seed, clip)} for a run of its own)
+    for 8 more steps, on that many ranks, all at once. Each must say where it resumed and end
+    within FP64_TOL of the fp64 oracle's weights after as many uninterrupted steps, with its
+    exact validation loss."""
     steps = FP64_JOB["steps"]
+    runs = {key: value if isinstance(value, tuple) else (value, seed, clip)
+            for key, value in checkpoints.items()}
     resumed = launch_together([
-        torchrun_cmd(nproc, script, *JOB_FLAGS, *fp64(seed, steps=steps + 8), *extra,
+        torchrun_cmd(nproc, script, *JOB_FLAGS, *fp64(seed_, steps + 8, clip_), *extra,
                      f"--checkpoint={path}", f"--save={folder / f'w{i}.pt'}")
-        for i, ((nproc, *extra), path) in enumerate(checkpoints.items())])
-    for i, result in enumerate(resumed):
+        for i, ((nproc, *extra), (path, seed_, clip_)) in enumerate(runs.items())])
+    for i, (result, (_, seed_, clip_)) in enumerate(zip(resumed, runs.values())):
         out = ok(result)
         assert "resumed from" in out and f"at step {steps}" in out
-        assert_fp64_run_equals_the_fp64_oracle((out, load_saved(folder / f"w{i}.pt")), seed,
-                                               steps + 8)
+        assert_fp64_run_equals_the_fp64_oracle((out, load_saved(folder / f"w{i}.pt")), seed_,
+                                               steps + 8, clip_)
 
 
 def succeeded(run):
@@ -306,22 +317,42 @@ def logged_losses(stdout):
 
 @pytest.fixture(scope="session")
 def reference():
-    """The oracle's final weights for JOB (computed once)."""
+    """The oracle's (initial, final weights, losses, gradient norms) for JOB (computed once)."""
     from reference import reference_train
-    return reference_train(**JOB)
+    norms = []
+    return (*reference_train(**JOB, norms=norms), norms)
 
 
-def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"]):
-    """A --fp64 run (stdout, saved weights) on `seed`: float64 weights within FP64_TOL of the
-    fp64 oracle's, and the printed validation loss the oracle's exact one (to its 6 decimals)."""
+def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], clip=None):
+    """A --fp64 run (stdout, saved weights) on `seed` (clipped to `clip`, if given): float64
+    weights within FP64_TOL of the fp64 oracle's, the printed validation loss the oracle's exact
+    one (to its 6 decimals), and the gradient norm of every logged step the oracle's."""
     from reference import reference_val_loss
     out, weights = run
-    expected = fp64_reference(seed, steps)[1]
+    _, expected, _, norms = fp64_reference(seed, steps, clip)
     assert all(w.dtype == torch.float64 for w in weights.values())
     diff = max_diff(weights, expected)
     assert diff < FP64_TOL, f"max weight difference {diff:.2e} from the fp64 oracle"
     exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"])
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)
+    assert_norms_are_the_oracles(out, norms)
+    if clip:
+        assert min(norms) > clip  # so the clip acted at every step
+
+
+def assert_norms_are_the_oracles(stdout, norms):
+    """The gradient norm printed on every logged step (7 significant digits) is the oracle's
+    norm at that step to 1e-6, relative: the whole gradient's, however it is sharded."""
+    logged = logged_norms(stdout)
+    assert logged, "no step logged a gradient norm"
+    for step, norm in logged.items():
+        assert norm == pytest.approx(norms[step - 1], rel=1e-6), f"step {step}"
+
+
+def logged_norms(stdout):
+    """{step: the gradient norm its log line printed}."""
+    return {int(step): float(norm) for step, norm in re.findall(
+        r"^step +(\d+)/\d+ \| loss [^|]+\| grad norm ([0-9.e+-]+)", stdout, re.M)}
 
 
 @pytest.fixture(scope="session")

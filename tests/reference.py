@@ -11,10 +11,11 @@ from common import SimpleModel, make_dataset
 
 
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, ranks=1,
-                    fp64=False):
+                    fp64=False, norms=None):
     """Return (initial state_dict, final state_dict, loss of every step).
 
-    clip: if given, the gradient norm is clipped to it before each step (amp.py's --clip).
+    clip: if given, the gradient norm is clipped to it before each step (the scripts' --clip).
+    norms: if a list, each step's gradient norm (before clipping) is appended to it.
     ranks: the gradient as N data-parallel ranks add it up: the mean of N per-rank mean
     gradients, rank r taking every N-th sample of the batch from the r-th on (as
     DistributedSampler deals them), each on one thread (as the scripts' workers run). The
@@ -48,7 +49,11 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, rank
             for p, *g in zip(model.parameters(), *grads):
                 p.grad = sum(gi / ranks for gi in g)
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        if norms is not None:
+            norms.append(norm.item())
         optimizer.step()
         losses.append(loss.item())
     return initial, model.state_dict(), losses

@@ -8,8 +8,8 @@ import torch
 
 from common import IN_FEATURES, SimpleModel
 from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
-                      load_saved, logged_losses, max_diff, needs_cuda, ok, python,
-                      refused_in_one_line, run_in_process, summary_val_loss)
+                      assert_norms_are_the_oracles, load_saved, logged_losses, max_diff, needs_cuda,
+                      ok, python, refused_in_one_line, run_in_process, summary_val_loss)
 from reference import reference_train
 
 amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
@@ -45,10 +45,14 @@ def test_fp32_with_default_flags_equals_one_device_like_every_other_script(runs,
 
 
 def test_fp32_is_exactly_the_baseline_including_clipping(runs):
-    _, clipped, _ = reference_train(**JOB, clip=CLIP)
+    norms = []
+    _, clipped, _ = reference_train(**JOB, clip=CLIP, norms=norms)
     _, unclipped, _ = reference_train(**JOB)
     assert max_diff(clipped, unclipped) > 1e-3  # the clip really changes the run
-    assert max_diff(runs["fp32, clipped"][1], clipped) < TOL
+    assert min(norms) > CLIP  # it acts at every step
+    out, weights = runs["fp32, clipped"]
+    assert max_diff(weights, clipped) < TOL
+    assert_norms_are_the_oracles(out, norms)
 
 
 def test_default_dtype_on_cpu_is_bf16(runs):

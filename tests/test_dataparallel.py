@@ -2,10 +2,10 @@
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, TOL, VAL_TOL,
-                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle, fp64,
-                      logged_losses, max_diff, needs_cuda, python, run_in_process, summary_numbers,
-                      summary_val_loss)
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, fp64, logged_losses, max_diff, needs_cuda,
+                      python, run_in_process, summary_numbers, summary_val_loss)
 
 
 
@@ -15,17 +15,19 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, refe
     out, weights = run_in_process("dataparallel", ["--device=cpu", "--accum-steps=2"], tmp_path)
     assert "no GPU" in out  # it says once that DataParallel has nothing to spread over
     assert max_diff(weights, reference[1]) < TOL
+    assert_norms_are_the_oracles(out, reference[3])
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert all(x > 0 for x in summary_numbers(out))
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
 
 
-@pytest.mark.parametrize("seed", FP64_SEEDS)
-def test_fp64_dataparallel_with_accumulation_equals_the_fp64_oracle_on_any_seed(seed, tmp_path):
-    run = run_in_process("dataparallel", ["--device=cpu", *fp64(seed), "--accum-steps=3"],
-                         tmp_path)
-    assert_fp64_run_equals_the_fp64_oracle(run, seed)
+@pytest.mark.parametrize("seed, clip", [(FP64_SEEDS[0], None), (FP64_SEEDS[-1], FP64_CLIP)])
+def test_fp64_dataparallel_with_accumulation_and_clipping_equals_the_fp64_oracle_on_any_seed(
+        seed, clip, tmp_path):
+    run = run_in_process("dataparallel", ["--device=cpu", *fp64(seed, clip=clip),
+                                          "--accum-steps=3"], tmp_path)
+    assert_fp64_run_equals_the_fp64_oracle(run, seed, clip=clip)
 
 
 @needs_cuda

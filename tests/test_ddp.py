@@ -1,5 +1,6 @@
 """ddp.py trains to the same weights as one device, however the batch is spread."""
 
+import re
 import shutil
 
 import pytest
@@ -9,12 +10,12 @@ from torch.utils.data import DistributedSampler
 import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
-from conftest import (CUDA_JOB_FLAGS, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_profiled, fails_clearly, fp64, launch_runs, load_saved,
-                      logged_losses, logged_val_losses, max_diff, needs_2_gpus, needs_cuda, ok,
-                      python, refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
-                      torchrun)
+                      assert_norms_are_the_oracles, assert_profiled, fails_clearly, fp64,
+                      launch_runs, load_saved, logged_losses, logged_val_losses, max_diff,
+                      needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, run_as_only_rank,
+                      succeeded, summary_val_loss, torchrun)
 from reference import reference_val_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -24,14 +25,18 @@ SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 RUNS = {
     # fp32, what users run: the short job (and traces steps 5-7)
     "torchrun 2 ranks": (2, ["--profile={folder}/trace"]),
+    "torchrun 2 ranks, zero1": (2, ["--zero1"]),  # Adam's state sharded over the 2 ranks
     # fp64 on odd flags: 3 ranks (the held-out set pads), 3 micro-batches, blocks that recompute
-    # their activations (compiled: tp.py's spawn run and single.py), and a checkpoint at the end
-    "fp64, torchrun 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
-                                                "--activation-checkpointing",
-                                                "--checkpoint={folder}/ckpt.pt"]),
-    "fp64, spawn 4 ranks": (None, ["--nproc=4", *fp64(SEED_B)]),  # `python ddp.py` starts 4
+    # their activations (compiled: tp.py's spawn run and single.py), ZeRO-1, and a checkpoint at
+    # the end, which 1 rank continues without ZeRO-1
+    "fp64, torchrun 3 ranks, accum 3, AC, zero1": (3, [*fp64(SEED_A), "--accum-steps=3",
+                                                       "--activation-checkpointing", "--zero1",
+                                                       "--checkpoint={folder}/ckpt.pt"]),
+    # `python ddp.py` starts 4, which clip the gradient at every step
+    "fp64, spawn 4 ranks, clip": (None, ["--nproc=4", *fp64(SEED_B, clip=FP64_CLIP)]),
 }
-FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": SEED_A, "fp64, spawn 4 ranks": SEED_B}
+FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC, zero1": (SEED_A, None),
+             "fp64, spawn 4 ranks, clip": (SEED_B, FP64_CLIP)}  # name: (seed, clip)
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +44,37 @@ def runs(tmp_path_factory):
     return launch_runs("ddp.py", RUNS, tmp_path_factory.mktemp("ddp"))
 
 
+def state_mib(stdout):
+    return float(re.search(r"\| state ([0-9.]+) MiB/rank", stdout).group(1))
+
+
 def weights(runs, name):
     return succeeded(runs[name])[1]
 
 
 def test_ddp_on_2_ranks_equals_one_device_in_fp32(runs, reference):
-    assert max_diff(weights(runs, "torchrun 2 ranks"), reference[1]) < TOL
+    out, weights_ = succeeded(runs["torchrun 2 ranks"])
+    assert max_diff(weights_, reference[1]) < TOL
+    assert_norms_are_the_oracles(out, reference[3])
+
+
+def test_zero1_on_2_ranks_equals_one_device_and_holds_8_plus_8_over_2_bytes_per_weight(runs,
+                                                                                       reference):
+    """Adam's moments (8 of the 16 bytes per fp32 weight) dealt over 2 ranks: 12 bytes per
+    weight on each, as far as the greedy split by size balances them."""
+    out, weights_ = succeeded(runs["torchrun 2 ranks, zero1"])
+    assert max_diff(weights_, reference[1]) < TOL
+    plain = state_mib(succeeded(runs["torchrun 2 ranks"])[0])
+    assert state_mib(out) == pytest.approx(plain * 12 / 16, rel=0.05)
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_equals_the_fp64_oracle(name, runs):
+def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_zero1_or_clipping_equals_the_fp64_oracle(
+        name, runs):
     """40 steps, four epochs, lr 0.03, two seeds: within 1e-9, and the exact validation loss
     (on 3 ranks the held-out set pads; the test below shows what a naive average would do)."""
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
+    seed, clip = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
 
 
 def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference):
@@ -90,11 +113,12 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_all_reduce_of_e
                     "optimizer step", ("gloo:all_reduce", "nccl:all_reduce"))
 
 
-def test_fp64_checkpoint_from_3_ranks_resumes_on_1_rank(runs, tmp_path):
-    """The 3-rank run's checkpoint (step 40), continued to step 48 on 1 rank (torchrun's only
-    worker, in this process), ends within 1e-9 of 48 uninterrupted steps on one device (and
-    proves 1-rank DDP too). Nothing in the file depends on the world size."""
-    shutil.copy(runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "ckpt.pt",
+def test_fp64_zero1_checkpoint_from_3_ranks_resumes_on_1_rank_without_zero1(runs, tmp_path):
+    """The 3-rank ZeRO-1 run's checkpoint (step 40: Adam's state gathered from the 3 ranks),
+    continued to step 48 on 1 rank with plain Adam (torchrun's only worker, in this process),
+    ends within 1e-9 of 48 uninterrupted steps on one device (and proves 1-rank DDP too).
+    Nothing in the file depends on the world size or on --zero1."""
+    shutil.copy(runs["fp64, torchrun 3 ranks, accum 3, AC, zero1"][1].parent / "ckpt.pt",
                 tmp_path / "c1.pt")
     steps = FP64_JOB["steps"] + 8
     out, resumed = run_as_only_rank("ddp", [*fp64(SEED_A, steps=steps),

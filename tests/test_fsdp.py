@@ -14,10 +14,10 @@ import torch
 
 import common
 from common import SimpleModel
-from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle,
-                      assert_fp64_run_equals_the_fp64_oracle,
-                      assert_gpu_run_equals_oracle, assert_profiled, fp64, launch_runs,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, assert_profiled, fp64, launch_runs,
                       launch_together, logged_losses, max_diff, needs_cuda, ok, refused_in_one_line,
                       run_as_only_rank, succeeded, summary_val_loss, torchrun, torchrun_cmd)
 
@@ -39,9 +39,15 @@ RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra fla
                                                 "--checkpoint-every=20"]),
     # `python fsdp.py` starts its own 2 workers (4 ranks: ddp.py's and tp.py's runs; compiled:
     # tp.py's spawn run, the same lines; each process costs seconds of CPU)
-    "fp64, spawn 2 ranks, accum 2": (None, ["--nproc=2", *fp64(SEED_B), "--accum-steps=2"]),
+    # `python fsdp.py --nproc 4`: HSDP, 2 replicas each sharded in 2, the gathered weights kept
+    # from forward to backward (ZeRO-2's trade), clipped by the norm of the whole gradient; its
+    # checkpoint (step 40) is continued as plain FSDP on 2 ranks
+    "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip": (None, [
+        "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), "--replicate=2",
+        "--reshard-after-forward=false", "--checkpoint={folder}/hsdp"]),
 }
-FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": SEED_A, "fp64, spawn 2 ranks, accum 2": SEED_B}
+FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": (SEED_A, None),  # name: (seed, clip)
+             "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip": (SEED_B, FP64_CLIP)}
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +68,16 @@ def test_fsdp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_va
     assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+    assert_norms_are_the_oracles(out, reference[3])  # the norm of the whole, not of a shard
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_fsdp_on_3_and_2_ranks_with_accumulation_equals_the_fp64_oracle(name, runs):
+def test_fp64_fsdp_on_3_ranks_and_hsdp_2x2_clipped_equal_the_fp64_oracle(
+        name, runs):
     """Reductions in float64 too (MixedPrecisionPolicy's reduce_dtype follows the weights):
     within 1e-9 after 40 steps at lr 0.03, on two seeds."""
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
+    seed, clip = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
 
 
 def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_every_step(
@@ -102,10 +111,12 @@ def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
     assert losses[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
 
 
-def test_fp64_checkpoint_from_3_ranks_resumes_on_2_ranks(runs, tmp_path):
-    """The 3-rank run's sharded checkpoint (step 40), continued to step 48 on 2 ranks (the
-    shards cut anew), ends within 1e-9 of 48 uninterrupted steps on one device. (1 rank:
-    ddp.py's resume test; tp.py's resumes change the mesh.)"""
+def test_fp64_checkpoints_of_fsdp_and_hsdp_resume_on_2_ranks_as_each_other(runs, tmp_path):
+    """The 3-rank run's sharded checkpoint (step 40), continued to step 48 as HSDP on 2 ranks
+    (2 replicas of 1 shard), and the HSDP 2x2 run's, continued as plain FSDP on 2 ranks (the
+    shards cut anew, the gathered weights kept from forward to backward), each end within
+    1e-9 of 48 uninterrupted steps on one device. (1 rank: ddp.py's resume test; tp.py's
+    resumes change the mesh.)"""
     ckpt = runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "ckpt64"
     # step 20 was written, then replaced by step 40 once that was complete
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000040"]
@@ -113,7 +124,10 @@ def test_fp64_checkpoint_from_3_ranks_resumes_on_2_ranks(runs, tmp_path):
     # what a crash in the middle of writing step 44 leaves: a folder `latest` does not name
     (tmp_path / "c2" / "step_00000044").mkdir()
     (tmp_path / "c2" / "step_00000044" / "__0_0.distcp").write_bytes(b"half a shard")
-    assert_checkpoints_resume_to_the_oracle("fsdp.py", {(2,): tmp_path / "c2"}, tmp_path, SEED_A)
+    hsdp = runs["fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip"][1].parent / "hsdp"
+    assert_checkpoints_resume_to_the_oracle("fsdp.py", {
+        (2, "--replicate=2"): tmp_path / "c2",
+        (2, "--reshard-after-forward=false"): (hsdp, SEED_B, FP64_CLIP)}, tmp_path, SEED_A)
 
 
 def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(runs, tmp_path):

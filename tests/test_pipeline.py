@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle,
-                      assert_fp64_run_equals_the_fp64_oracle,
-                      assert_gpu_run_equals_oracle, assert_profiled, fp64, launch_runs,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, assert_profiled, fp64, launch_runs,
                       logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
                       refused_in_one_line, run_as_only_rank, run_in_process, succeeded,
                       summary_val_loss, torchrun)
@@ -26,9 +26,12 @@ RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule in fp32 a
     "fp64, 3 stages, 1f1b, AC": (3, [*fp64(SEED_A), "--schedule=1f1b", "--microbatches=6",
                                      "--activation-checkpointing",
                                      "--checkpoint={folder}/ckpt64.pt"]),
-    "fp64, 2 stages, gpipe": (2, [*fp64(SEED_B), "--schedule=gpipe", "--microbatches=3"]),
+    # clipped by the norm of the whole gradient, its parts added up over the stages
+    "fp64, 2 stages, gpipe, clip": (2, [*fp64(SEED_B, clip=FP64_CLIP), "--schedule=gpipe",
+                                        "--microbatches=3"]),
 }
-FP64_RUNS = {"fp64, 3 stages, 1f1b, AC": SEED_A, "fp64, 2 stages, gpipe": SEED_B}
+FP64_RUNS = {"fp64, 3 stages, 1f1b, AC": (SEED_A, None),  # name: (seed, clip)
+             "fp64, 2 stages, gpipe, clip": (SEED_B, FP64_CLIP)}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +42,12 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
     """One process driving 3 stages (`--nproc 1 --stages 3`), run in this process as torchrun
-    would start its only worker, in fp32 and in fp64 on both seeds; `python pipeline.py` (2
-    stages, spawned) is launched by test_defaults."""
+    would start its only worker, in fp32 and in fp64 on both seeds (clipped); `python
+    pipeline.py` (2 stages, spawned) is launched by test_defaults."""
     folder = tmp_path_factory.mktemp("model_parallel")
-    return {seed: run_as_only_rank("pipeline", ["--nproc=1", "--stages=3",
-                                                *(fp64(seed) if seed is not None else [])], folder)
-            for seed in [None, *FP64_SEEDS]}
+    return {seed: run_as_only_rank("pipeline", [
+        "--nproc=1", "--stages=3", *(fp64(seed, clip=FP64_CLIP) if seed is not None else [])],
+        folder) for seed in [None, *FP64_SEEDS]}
 
 
 def test_model_parallel_stages_in_one_process_equal_one_device(model_parallel, reference,
@@ -56,11 +59,12 @@ def test_model_parallel_stages_in_one_process_equal_one_device(model_parallel, r
     losses = logged_losses(out)
     assert losses[-1] < 0.5 * losses[0]
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert_norms_are_the_oracles(out, reference[3])
 
 
 @pytest.mark.parametrize("seed", FP64_SEEDS)
-def test_fp64_model_parallel_equals_the_fp64_oracle_on_any_seed(seed, model_parallel):
-    assert_fp64_run_equals_the_fp64_oracle(model_parallel[seed], seed)
+def test_fp64_clipped_model_parallel_equals_the_fp64_oracle_on_any_seed(seed, model_parallel):
+    assert_fp64_run_equals_the_fp64_oracle(model_parallel[seed], seed, clip=FP64_CLIP)
 
 
 def test_pipeline_equals_one_device_in_fp32(runs, reference, reference_val):
@@ -70,11 +74,13 @@ def test_pipeline_equals_one_device_in_fp32(runs, reference, reference_val):
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
     # evaluated through the stages: the exact mean over the held-out set
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert_norms_are_the_oracles(out, reference[3])  # every stage's part, added up
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_pipeline_1f1b_and_gpipe_equal_the_fp64_oracle(name, runs):
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
+def test_fp64_pipeline_1f1b_and_clipped_gpipe_equal_the_fp64_oracle(name, runs):
+    seed, clip = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
 
 
 def test_profile_writes_a_trace_per_stage_with_every_micro_batch_and_the_sends(runs):

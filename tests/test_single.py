@@ -3,10 +3,10 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 
 import pytest
 
-from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, FP64_SEEDS, JOB, TOL, VAL_TOL,
-                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle, fp64,
-                      load_saved, logged_losses, max_diff, needs_cuda, ok, python,
-                      run_in_process, summary_val_loss)
+from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, fp64, load_saved, logged_losses, max_diff,
+                      needs_cuda, ok, python, run_in_process, summary_val_loss)
 from reference import reference_train
 
 
@@ -18,6 +18,7 @@ def test_single_device_equals_the_oracle(reference, reference_val, tmp_path):
     losses = logged_losses(out)
     assert losses[0] == pytest.approx(reference[2][0], abs=1e-5)
     assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+    assert_norms_are_the_oracles(out, reference[3])
 
 
 def test_gradient_accumulation_equals_one_big_batch(reference, tmp_path):
@@ -26,12 +27,12 @@ def test_gradient_accumulation_equals_one_big_batch(reference, tmp_path):
 
 
 @pytest.mark.parametrize("seed", FP64_SEEDS)
-@pytest.mark.parametrize("accum", [1, 3])
-def test_fp64_with_and_without_accumulation_equals_the_fp64_oracle_on_any_seed(
-        accum, seed, tmp_path):
+@pytest.mark.parametrize("accum, clip", [(1, FP64_CLIP), (3, None)])
+def test_fp64_with_clipping_and_with_accumulation_equals_the_fp64_oracle_on_any_seed(
+        accum, clip, seed, tmp_path):
     """40 steps over four epochs at lr 0.03, every tensor in float64: within 1e-9."""
-    run = run_in_process("single", [*fp64(seed), f"--accum-steps={accum}"], tmp_path)
-    assert_fp64_run_equals_the_fp64_oracle(run, seed)
+    run = run_in_process("single", [*fp64(seed, clip=clip), f"--accum-steps={accum}"], tmp_path)
+    assert_fp64_run_equals_the_fp64_oracle(run, seed, clip=clip)
 
 
 def test_checkpoint_at_step_8_resumes_to_12_uninterrupted_steps(tmp_path):

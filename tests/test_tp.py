@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from common import SimpleModel
-from conftest import (CUDA_JOB_FLAGS, FP64_SEEDS, JOB, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle,
-                      assert_fp64_run_equals_the_fp64_oracle,
-                      assert_gpu_run_equals_oracle, fp64, launch_runs, logged_losses, max_diff,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, fp64, launch_runs, logged_losses, max_diff,
                       needs_cuda, refused_in_one_line, succeeded, summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -25,15 +25,18 @@ RUNS = {  # name: (ranks under torchrun, or None for `python tp.py`; extra flags
     "torchrun 2 ranks, tp 2": (2, []),
     # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, 3 micro-batches, activation
     # checkpointing; its checkpoint (step 40) is continued as TP 4 below
-    "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC": (4, [
-        *fp64(SEED_A), "--tp=2", "--accum-steps=3", "--activation-checkpointing",
+    # and clipping (the blocks' gradients on the 2D mesh, the outer layers' on "dp" only)
+    "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC, clip": (4, [
+        *fp64(SEED_A, clip=FP64_CLIP), "--tp=2", "--accum-steps=3",
+        "--activation-checkpointing",
         "--checkpoint={folder}/2d"]),
     # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
     # through compiled blocks (TP's DTensors inside) that recompute their activations
     "fp64, spawn 2 ranks, tp 2, accum 2, compile + AC": (None, [
         "--nproc=2", *fp64(SEED_B), "--accum-steps=2", "--compile", "--activation-checkpointing"]),
 }
-FP64_RUNS = {name: seed for name, seed in zip(list(RUNS)[1:], (SEED_A, SEED_B))}
+FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
+             zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +49,24 @@ def test_tp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val)
     assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
+    assert_norms_are_the_oracles(out, reference[3])  # shards and whole layers, one norm
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_2d_and_compiled_tp_with_accumulation_equal_the_fp64_oracle(name, runs):
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), FP64_RUNS[name])
+def test_fp64_clipped_2d_and_compiled_tp_with_accumulation_equal_the_fp64_oracle(name, runs):
+    seed, clip = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
     """The 2D run's sharded checkpoint (step 40: each block in quarters, over a 2x2 mesh),
     continued to step 48 as pure TP 4 (each block cut in 4 over a 1x4 mesh, the input and
-    output layers whole), ends within 1e-9 of 48 uninterrupted steps on one device."""
+    output layers whole), clipping as it did, ends within 1e-9 of 48 uninterrupted steps on
+    one device."""
     folder = runs["torchrun 2 ranks, tp 2"][1].parent
     shutil.copytree(folder / "2d", tmp_path / "on4")
-    assert_checkpoints_resume_to_the_oracle("tp.py", {(4,): tmp_path / "on4"}, tmp_path, SEED_A)
+    assert_checkpoints_resume_to_the_oracle("tp.py", {(4,): tmp_path / "on4"}, tmp_path, SEED_A,
+                                            FP64_CLIP)
 
 
 def state_mib(stdout):
@@ -76,7 +83,7 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
     io = sum(p.numel() for p in model.parameters()) - block
     expect = {  # name: (bytes per number, parameters held)
         "torchrun 2 ranks, tp 2": (4, (block - down_bias) / 2 + down_bias + io),
-        "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC": (8, (block - down_bias) / 4
+        "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC, clip": (8, (block - down_bias) / 4
                                                         + (down_bias + io) / 2)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,

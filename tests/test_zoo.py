@@ -1,4 +1,4 @@
-"""The bug zoo: ten classic mistakes, each made on purpose in a temporary copy of a script, and
+"""The bug zoo: eleven classic mistakes, each made on purpose in a temporary copy of a script, and
 each caught. The same list is the course's exercise sheet (docs/exercises.md): break the line,
 run the test, read the failure.
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from common import SimpleModel
-from conftest import (FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, early_results, fp64,
-                      fp64_reference, load_saved, logged_losses, max_diff, ok,
+from conftest import (FP64_CLIP, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, early_results,
+                      fp64, fp64_reference, load_saved, logged_losses, logged_norms, max_diff, ok,
                       run_as_only_rank, run_in_process, summary_val_loss, torchrun_cmd)
 from reference import reference_val_loss
 from test_amp import _scaled_backward
@@ -87,6 +87,16 @@ MISTAKES = {
         "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n",
         "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n"
         "    scaler.unscale_(optimizer)\n")]),
+    "FSDP clipped by the norm of the local shards": ("fsdp.py", [(
+        "            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),\n"
+        "                                                       args.clip or float(\"inf\"))\n",
+        "            local = [p.grad.to_local() for p in model.parameters()]\n"
+        "            grad_norm = torch.nn.utils.get_total_norm(local)\n"
+        "            factor = torch.clamp((args.clip or float(\"inf\")) / (grad_norm + 1e-6),"
+        " max=1.0)\n"
+        "            for g in local:\n"
+        "                g.mul_(factor)\n"), (
+        "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
 }
 
 # The mistakes that need several processes, launched together (name: ranks, flags).
@@ -96,6 +106,7 @@ LAUNCHED = {
     "mean of per-rank validation means": (3, fp64(SEED, steps=4)),
     "TP group fed by rank": (2, fp64(SEED)),
     "pipeline with scale_grads=False": (2, [*fp64(SEED), "--microbatches=4"]),
+    "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
 }
 
 
@@ -257,3 +268,15 @@ def test_clipping_before_unscale_clips_the_scaled_gradient(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_fsdp_clipped_by_the_norm_of_its_local_shards_clips_each_rank_by_its_own_factor(
+        launched):
+    """The norm of one rank's shards is part of the whole gradient's (on 2 ranks about 1/sqrt(2)
+    of it), and another on each rank: every rank scales its shards by a factor of its own, and
+    the clip is too weak (pytorch/pytorch#170862). fsdp.py's clip_grad_norm_ on the DTensors
+    prints the oracle's norm (tests/test_fsdp.py)."""
+    out, weights = launched["FSDP clipped by the norm of the local shards"]
+    _, expected, _, norms = fp64_reference(SEED, 4, FP64_CLIP)
+    assert logged_norms(out)[1] < 0.9 * norms[0]  # rank 0's part, printed as if the whole
+    assert max_diff(weights, expected) > FP64_TOL
