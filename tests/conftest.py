@@ -243,8 +243,12 @@ def run_as_only_rank(script, flags, folder):
     distributed scripts' code path (group, wrapper, collectives) without a new process."""
     world_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    with mock.patch.dict(os.environ, world_of_one):
-        return run_in_process(script, flags, folder)
+    try:
+        with mock.patch.dict(os.environ, world_of_one):
+            return run_in_process(script, flags, folder)
+    finally:  # a run that failed left its group behind: the next test would find it
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed, clip=None):

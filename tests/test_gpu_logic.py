@@ -35,6 +35,11 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        # Adam.step asks the accelerator's current stream whether a CUDA graph is being
+        # captured, CPU tensors or not (torch's CUDA builds: a CUDA context on GPU 0 for a CPU
+        # run). A real GPU answers no.
+        monkeypatch.setattr(torch.accelerator, "current_stream",
+                            lambda device=None: types.SimpleNamespace(is_capturing=lambda: False))
     return install
 
 
