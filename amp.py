@@ -105,6 +105,8 @@ def parse_args(argv=None):
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -116,8 +118,6 @@ def parse_args(argv=None):
         # The other scripts' shared flag, refused here: autocast computes in less precision.
         parser.error("--fp64: amp.py trains in less precision, not more; use --dtype fp32 for "
                      "the fp32 baseline, or single.py --fp64 (or any other script) for float64")
-    if args.clip < 0:
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
     return args
 
 

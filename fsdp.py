@@ -84,7 +84,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
@@ -273,9 +273,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     # shard like a 334-sample one and count the duplicates, and change with the number of
     # ranks (pytorch/pytorch#25162).
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # The root module keeps its gathered weights after forward, expecting backward to need
-    # them soon; after evaluation no backward comes, so hand the memory back.
-    model.reshard()
+    # A module that keeps its gathered weights after forward (the root always; every block
+    # with --reshard-after-forward false) expects backward to need them soon; after
+    # evaluation no backward comes, so hand the memory back (reshard() is not recursive).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     # --- end FSDP ---
     model.train()
     return (sums[0] / sums[1]).item()

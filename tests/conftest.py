@@ -336,6 +336,7 @@ def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], c
     _, expected, _, norms = fp64_reference(seed, steps, clip)
     assert all(w.dtype == torch.float64 for w in weights.values())
     diff = max_diff(weights, expected)
+    print(f"fp64 run: max weight difference {diff:.2e} from the fp64 oracle")  # pytest -s
     assert diff < FP64_TOL, f"max weight difference {diff:.2e} from the fp64 oracle"
     exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"])
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)

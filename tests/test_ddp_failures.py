@@ -118,6 +118,7 @@ BAD_FLAGS = [
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
     (["--lr=0"], "--lr: must be greater than 0"),
     (["--eval-every=0"], "--eval-every: must be greater than 0"),
+    (["--clip=-1"], "--clip -1.0: must be 0 (no clipping) or a positive norm"),
     (["--device=tpu"], "--device: invalid choice: 'tpu'"),
     (["--save=/no/such/folder/w.pt"], "--save /no/such/folder/w.pt: its folder does not exist"),
 ]
@@ -142,6 +143,7 @@ DISTRIBUTED_BAD_FLAGS = [
     ("pipeline", ["--backend=mpi"], "--backend: invalid choice: 'mpi'"),
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
     ("pipeline", ["--backend=nccl", "--device=cpu"], "stages send CPU tensors, which only gloo"),
+    ("fsdp", ["--replicate=3"], "--replicate 3 must divide the world size 2"),
     *[(script, ["--checkpoint=/no/such/c.pt"], "--checkpoint /no/such/c.pt: its folder")
       for script in ("single", "ddp", "amp", "pipeline")],
 ])
