@@ -200,7 +200,10 @@ def trace_rows(folder):
     for name in sorted(os.listdir(folder)):
         rank = int(re.search(r"rank(\d+)", name).group(1))
         with open(os.path.join(folder, name)) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+            # The host's events only: a GPU run's trace also holds its kernels and the GPU's
+            # shadows of the marks (cat "kernel", "gpu_user_annotation", "gpu_memcpy"...).
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+                      and not e.get("cat", "").startswith(("kernel", "gpu_"))]
         steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")),
                        key=lambda e: e["ts"])
         step = steps[len(steps) // 2]  # the middle recorded step

@@ -90,9 +90,9 @@ def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_2_ranks(runs
 
 
 def test_three_ranks_pad_the_held_out_set_so_averaging_rank_means_would_be_wrong(reference):
-    """What the 3-rank test above guards against: DistributedSampler deals 1002 indices for
-    1000 samples (two duplicates), and the mean of the per-rank means misses the exact value
-    by far more than VAL_TOL."""
+    """What the 3-rank fp64 test above guards against (its exact validation loss on 3 ranks):
+    DistributedSampler deals 1002 indices for 1000 samples (two duplicates), and the mean of
+    the per-rank means misses the exact value by far more than VAL_TOL."""
     val_set, world_size = make_dataset("val"), 3
     shards = [list(DistributedSampler(val_set, num_replicas=world_size, rank=r, shuffle=False))
               for r in range(world_size)]

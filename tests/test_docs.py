@@ -1,4 +1,5 @@
-"""The README and docs/ link only to files that exist: every picture, every page."""
+"""The README and docs/ link only to files that exist, every picture and page, and name only
+flags the scripts have."""
 
 import re
 
@@ -17,3 +18,41 @@ def test_every_image_and_page_a_page_links_exists(page):
     assert not missing, f"{page.name} links to missing files: {missing}"
     if page.name == "README.md":  # the front page shows the proof
         assert "docs/proof.png" in local
+
+
+SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "common"]
+
+
+def flags_of(script):
+    """The flags `script`.py's parser defines (its add_argument calls)."""
+    source = (REPO / f"{script}.py").read_text()
+    return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
+
+
+def flags_named_for_scripts(text):
+    """(script, flag) for every flag written after a script's name in a command: on one line of
+    a code block, or inside one `inline code` span."""
+    pieces = [*re.findall(r"`([^`\n]+)`", text),
+              *(line for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+                for line in block.splitlines())]
+    found = set()
+    for piece in pieces:
+        piece = piece.split("#")[0]  # a shell comment names no flag
+        for m in re.finditer(r"\b(" + "|".join(SCRIPTS) + r")\.py\b(.*)", piece):
+            found |= {(m.group(1), flag) for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)",
+                                                                 m.group(2))}
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_flag_a_page_names_after_a_script_is_one_that_script_has(page):
+    wrong = sorted((script, flag) for script, flag in flags_named_for_scripts(page.read_text())
+                   if flag not in flags_of(script))
+    assert not wrong, f"{page.name} names flags the script does not have: {wrong}"
+
+
+def test_the_flags_check_sees_a_flag_a_script_does_not_have():
+    named = flags_named_for_scripts("run `python ddp.py --zero1 --zero2`, then\n```\n"
+                                    "torchrun --nproc_per_node=2 fsdp.py --replicate 2\n```\n")
+    assert named == {("ddp", "--zero1"), ("ddp", "--zero2"), ("fsdp", "--replicate")}
+    assert "--zero2" not in flags_of("ddp") and "--zero1" in flags_of("ddp")

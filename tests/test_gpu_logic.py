@@ -35,9 +35,10 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        # Adam.step asks the accelerator's current stream whether a CUDA graph is being
-        # captured, CPU tensors or not (torch's CUDA builds: a CUDA context on GPU 0 for a CPU
-        # run). A real GPU answers no.
+        # Adam.step asks the current stream whether a CUDA graph is being captured, CPU
+        # tensors or not (torch's CUDA builds: a CUDA context on GPU 0 for a CPU run; torch
+        # 2.10 asks torch.cuda, later ones torch.accelerator). A real GPU answers no.
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         monkeypatch.setattr(torch.accelerator, "current_stream",
                             lambda device=None: types.SimpleNamespace(is_capturing=lambda: False))
     return install
@@ -142,10 +143,18 @@ ON_ONE_RANK = {"ddp": [], "fsdp": [], "tp": [], "pipeline": []}
 
 @pytest.mark.parametrize("script", [*ON_ONE_DEVICE, *ON_ONE_RANK])
 def test_every_cpu_run_where_gpus_are_visible_ends_with_the_oracles_weights(
-        script, fake_gpus, reference, tmp_path):
+        script, fake_gpus, reference, tmp_path, monkeypatch):
     """--device cpu on a machine with 2 GPUs (faked: any CUDA call would fail) stays on the CPU.
     DataParallel used to take the GPUs anyway, and refuse the CPU model."""
     fake_gpus(2)
+    # Where a GPU is visible and the default group is gloo, DeviceMesh gives its group an NCCL
+    # side too ("cpu:gloo,cuda:nccl", torch 2.10), which only a real GPU can construct: the
+    # fake asks for the gloo side alone, the one a CPU run uses.
+    real_new_group = torch.distributed.device_mesh.new_group
+    monkeypatch.setattr(torch.distributed.device_mesh, "new_group", lambda *args, **kwargs:
+                        real_new_group(*args, **{**kwargs, "backend": "gloo"}
+                                       if kwargs.get("backend") == "cpu:gloo,cuda:nccl"
+                                       else kwargs))
     if script in ON_ONE_DEVICE:
         out, weights = run_in_process(script, ON_ONE_DEVICE[script], tmp_path)
     else:  # the distributed scripts, as torchrun's only worker

@@ -123,6 +123,15 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error(as_torchrun
                         "--microbatches 5 must divide --batch-size 64", capsys)
 
 
+@pytest.mark.parametrize("flag", ["--microbatches=8", "--schedule=1f1b"])
+def test_one_process_refuses_the_schedule_flags_it_would_ignore(flag, capsys, monkeypatch):
+    """Model parallelism runs the whole batch through the stages in turn: no micro-batches,
+    no schedule. Asked for, they are refused in one line, not silently ignored."""
+    monkeypatch.delenv("RANK", raising=False)
+    refused_in_one_line("pipeline", ["--nproc=1", flag], f"{flag.split('=')[0]}: one process "
+                        "(model parallelism) runs no pipeline schedule", capsys)
+
+
 def test_more_stages_than_blocks_is_a_clear_error(as_torchrun, capsys):
     as_torchrun(3)
     refused_in_one_line("pipeline", ["--blocks=2"], "3 stages but --blocks 2: every stage "

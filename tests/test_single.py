@@ -57,9 +57,9 @@ def test_activation_checkpointing_changes_no_weight(tmp_path):
 def test_compile_with_activation_checkpointing_really_compiles_and_equals_the_oracle(
         reference, tmp_path):
     """Every script prepares its blocks with the same lines (compile the forward, then
-    checkpoint it). checkpoint() switches TorchDynamo off for all it calls: compiled the other
-    way round, the run traced no frame at all and still matched the oracle, since nothing was
-    compiled. Here TorchDynamo must have compiled each block's forward."""
+    checkpoint it). The collection once patched the forward first and compiled the module: that
+    traced no frame at all and still matched the oracle, since nothing was compiled
+    (docs/compile.md). Here TorchDynamo must have compiled each block's forward."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
