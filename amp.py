@@ -22,6 +22,7 @@ Launch
                                       # (A100, H100, RTX 30xx+), else fp16 (V100, T4)
     python amp.py --dtype fp16        # with GradScaler
     python amp.py --dtype fp32        # autocast off: exactly single.py
+    python amp.py --fp64              # autocast off, in float64: single.py --fp64 to ~1e-12
     python amp.py --clip 1.0          # clip the gradient norm (off by default, like the
                                       # other scripts, so the same flags give the same numbers)
     Smallest hardware: any CPU (bf16 and fp16 autocast both run there), or one GPU.
@@ -47,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, num_params, positive, print0, save_atomic, seed_everything
+from common import fail, held_bytes, num_params, positive, print0, save_atomic, seed_everything
 from common import compile_problem
 
 
@@ -60,8 +61,9 @@ def parse_args(argv=None):
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--fp64", action="store_true",
-                       help="the other scripts' float64 run; refused here (autocast lowers the "
-                            "precision; --dtype fp32 is the fp32 baseline)")
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within ~1e-12 of "
+                            "single.py --fp64, so a gap is a bug, not rounding")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--clip", type=float, default=0.0,
@@ -83,15 +85,14 @@ def parse_args(argv=None):
                                "them in backward: less memory, about one more forward")
     hardware.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                           help="autocast type; auto: bf16 on CPUs and on GPUs of compute "
-                               "capability 8.0 or more, else fp16")
+                               "capability 8.0 or more, else fp16 (fp32 with --fp64)")
     output = parser.add_argument_group("output")
     output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
     output.add_argument("--profile", metavar="DIR",
                         help="write a Chrome trace of steps 5-7 per rank into DIR "
                              "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
-                        help="resume from PATH if it exists; write model, optimizer, scaler, "
-                             "step there")
+                        help="resume from PATH if it exists; write model, optimizer, step there")
     output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
                         help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
@@ -114,15 +115,20 @@ def parse_args(argv=None):
         if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
                          "create it first")
-    if args.fp64:
-        # The other scripts' shared flag, refused here: autocast computes in less precision.
-        parser.error("--fp64: amp.py trains in less precision, not more; use --dtype fp32 for "
-                     "the fp32 baseline, or single.py --fp64 (or any other script) for float64")
+    if args.fp64 and args.dtype in ("bf16", "fp16"):
+        parser.error(f"--fp64 with --dtype {args.dtype}: autocast would compute in 16 bits; "
+                     "use --dtype fp32 (autocast off) with --fp64")
+    if args.dtype == "auto":
+        # bf16 where it runs on tensor cores: compute capability 8.0 (A100) and later, and
+        # CPUs. Not torch.cuda.is_bf16_supported(): by default it also says yes on V100 and T4,
+        # which only emulate bf16 (slowly), where fp16 + GradScaler is the fast choice.
+        bf16_ok = not use_cuda or torch.cuda.get_device_capability(0)[0] >= 8
+        args.dtype = "fp32" if args.fp64 else "bf16" if bf16_ok else "fp16"
     return args
 
 
 def setup(args):
-    """Pick the device and the autocast type."""
+    """Pick the device."""
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", 0)
@@ -130,15 +136,9 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    dtype = args.dtype
-    if dtype == "auto":
-        # bf16 where it runs on tensor cores: compute capability 8.0 (A100) and later, and
-        # CPUs. Not torch.cuda.is_bf16_supported(): by default it also says yes on V100 and T4,
-        # which only emulate bf16 (slowly), where fp16 + GradScaler is the fast choice.
-        bf16_ok = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 8
-        dtype = "bf16" if bf16_ok else "fp16"
-    print(f"amp: dtype {dtype} | device {device.type} | torch {torch.__version__}", flush=True)
-    return device, dtype
+    print(f"amp: dtype {args.dtype} | device {device.type} | torch {torch.__version__}",
+          flush=True)
+    return device
 
 
 def optimizer_step(model, optimizer, scaler, clip):
@@ -161,32 +161,35 @@ def optimizer_step(model, optimizer, scaler, clip):
     return norm, skipped
 
 
-def evaluate(model, dataset, batch_size, device, autocast_dtype):
+def evaluate(model, dataset, batch_size, device, amp_dtype):
     """The mean squared error over every sample of the held-out set, under autocast."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
-    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+    # AMP: evaluate in the type you train in, so the number describes the model as it runs in
+    # training, 16-bit rounding included (no GradScaler: there is no backward).
+    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+    with torch.no_grad(), autocast:  # no graph, no activations kept: far less memory
         for x, y in loader:
             x, y = x.to(device), y.to(device)
-            # --- AMP: evaluate in the type you train in ---
-            # The number then describes the model as it runs in training, 16-bit rounding
-            # included (no GradScaler: there is no backward). mse_loss runs in fp32 anyway.
-            with torch.autocast(device.type, dtype=autocast_dtype,
-                                enabled=autocast_dtype is not None):
-                # Sums, divided once at the end: the mean of per-batch means would overweight
-                # a smaller last batch.
-                sums[0] += F.mse_loss(model(x), y, reduction="sum")
-            # --- end AMP ---
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            sums[0] += F.mse_loss(model(x), y, reduction="sum")
             sums[1] += y.numel()
     model.train()
     return (sums[0] / sums[1]).item()
 
 
-def train(args, device, dtype):
+def train(args, device):
     """Train; return the model, the final loss and the final validation loss."""
+    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
+    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
+    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
+    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device)
+    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device, dtype)
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
     for block in model.blocks.values():
         if args.compile:
@@ -205,9 +208,9 @@ def train(args, device, dtype):
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     # --- end ---
-    state = load_checkpoint(args, model, dtype) if args.checkpoint else None
-    # The weights stay fp32 ("master weights"): autocast casts them to 16 bits on the fly
-    # inside each op, so the optimizer's small updates are not rounded away.
+    state = load_checkpoint(args, model) if args.checkpoint else None
+    # The weights stay fp32 ("master weights"; fp64 with --fp64): autocast casts them to 16
+    # bits on the fly inside each op, so the optimizer's small updates are not rounded away.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- AMP: a GradScaler, for fp16 only ---
     # fp16 has 5 exponent bits: below 6e-5 its numbers lose precision, and anything under
@@ -216,8 +219,8 @@ def train(args, device, dtype):
     # yet the share of exactly-zero gradients, the dead ReLUs', is the same 1% as in fp32).
     # Scaling the loss lifts them into range. bf16 has fp32's 8 exponent bits (it gives up
     # mantissa instead): nothing underflows, no scaler. Disabled, the scaler is a no-op.
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[dtype]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
     # --- end AMP ---
     start_step = 0
     if state is not None:
@@ -228,7 +231,7 @@ def train(args, device, dtype):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
@@ -246,7 +249,7 @@ def train(args, device, dtype):
             generator.manual_seed(args.seed + epoch)
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
@@ -256,11 +259,11 @@ def train(args, device, dtype):
             # many terms (softmax, layer_norm, sum, losses such as mse_loss); on the CPU with
             # bf16, only a few (mse_loss does; softmax, sum and layer_norm stay bf16). Only
             # forward goes inside: backward runs each op in the type its forward used.
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=dtype != "fp32"):
-                # Divided by K so that K micro-batch gradients add up to the mean over the
-                # whole batch, not K times it (which would act like a K times larger lr).
-                with record_function("forward"):
-                    loss = F.mse_loss(model(x), y) / args.accum_steps
+            autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            with record_function("forward"), autocast:
+                loss = F.mse_loss(model(x), y) / args.accum_steps
             # scale(loss) multiplies by the current scale (fp16) or returns loss unchanged.
             with record_function("backward"):
                 scaler.scale(loss).backward()
@@ -280,29 +283,31 @@ def train(args, device, dtype):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, args.batch_size, device, autocast_dtype)
+                val_loss = evaluate(model, val_set, args.batch_size, device, amp_dtype)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            save_checkpoint(args, model, optimizer, scaler, dtype, step + 1)
+            save_checkpoint(args, model, optimizer, scaler, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+                         state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
 
-def save_checkpoint(args, model, optimizer, scaler, dtype, step):
+def save_checkpoint(args, model, optimizer, scaler, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     # The scaler's state (its current scale and growth tracker) belongs next to the model
     # and the optimizer: fp16 training is not resumable without it. The dtype says which.
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scaler": scaler.state_dict(), "dtype": dtype,
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed},
+                 "scaler": scaler.state_dict(), "dtype": args.dtype,
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
+                 "fp64": args.fp64},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model, dtype):
+def load_checkpoint(args, model):
     """Read --checkpoint into the model if it exists (return its state, or None if there is
     none); a bad one stops with one line and is left as it was."""
     if not os.path.exists(args.checkpoint):
@@ -328,17 +333,22 @@ def load_checkpoint(args, model, dtype):
         if state.get(key) != getattr(args, key):
             refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
                    f"order would not continue; use {flag} {state.get(key)}")
-    if state.get("dtype") != dtype:
+    if state.get("fp64", False) != args.fp64:
+        # Loading would cast the weights and Adam's moments silently, and the run would go on
+        # in another precision than it started in.
+        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
+               else "written without --fp64; drop --fp64 to continue it")
+    if state.get("dtype") != args.dtype:
         # A bf16 or fp32 run keeps no scaler state, which fp16 needs to go on.
-        refuse(f"written with --dtype {state.get('dtype')}, not {dtype}; "
+        refuse(f"written with --dtype {state.get('dtype')}, not {args.dtype}; "
                f"use --dtype {state.get('dtype')}")
     return state
 
 
 def main(argv=None):
     args = parse_args(argv)
-    device, dtype = setup(args)
-    model, _, _ = train(args, device, dtype)
+    device = setup(args)
+    model, _, _ = train(args, device)
     if args.save:
         # fp32 weights: autocast never changed them, so they load like any other script's.
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)

@@ -17,6 +17,7 @@ import os
 import pickle
 import resource
 import shutil
+import socket
 import sys
 import sysconfig
 import tempfile
@@ -24,7 +25,9 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 IN_FEATURES = 32
 OUT_FEATURES = 8
@@ -180,6 +183,97 @@ def machine_gpus():
     return visible
 
 
+# --- How a process becomes a rank: the same in every distributed script, and none of their
+# technique. `python ddp.py` starts its own workers and gives each what torchrun would; under
+# torchrun (or srun, or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
+# each process is one rank already. ---
+
+def ranks(args, default, gpus, to_use_all):
+    """The world size and the number of ranks on this machine, for parse_args' checks.
+
+    torchrun's, which it sets for every worker; without a launcher, --nproc workers, `default`
+    if it is not given (said in one line when that leaves GPUs idle, with `to_use_all`).
+    """
+    if "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if args.nproc is None:
+        args.nproc = default
+        if args.nproc < gpus:
+            print(f"{os.path.basename(sys.argv[0])}: {args.nproc} of {gpus} GPUs, "
+                  f"{to_use_all}", flush=True)
+    return args.nproc, args.nproc
+
+
+def restart_store(world_size, timeout_s):
+    """The store init_process_group should use: None (its own, from MASTER_ADDR/PORT), or under
+    torchrun keys of their own for every restart attempt. Without the prefix a restarted gloo
+    group reads the dead attempt's addresses and hangs or fails (docs/traps.md#restarts)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.PrefixStore(
+        f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                      is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
+
+
+def leave():
+    """Leave the process group at a clean exit. Call it only there: after an exception a peer
+    may be waiting in a collective this rank will never join, and tearing the group down under
+    it can deadlock (pytorch/torchtitan#1342); the exception exits non-zero instead and the
+    launcher ends the rest."""
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        # Lets gloo's threads drop their last tensors while Python is alive; without it a
+        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
+        time.sleep(0.2)
+
+
+def free_port():
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
+
+    Another program could take it before rank 0 binds it again; rare, and then the run fails
+    at once with "address already in use" rather than hanging.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawned(local_rank, run, args, port):
+    """Entry point of a worker the script started itself: set what torchrun would set, then
+    run(args)."""
+    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
+    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
+    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_WORLD_SIZE=str(args.nproc))
+    run(args)
+
+
+def launch(run, args):
+    """run(args) in this process if a launcher made it a rank; else in args.nproc workers on
+    this machine, started here, with one exit status for all of them."""
+    if "RANK" in os.environ:
+        run(args)  # torchrun started one process per rank; this is one of them
+        return
+    # mp.spawn passes each worker its index, waits for all, and if one fails it terminates
+    # the others and raises here.
+    try:
+        mp.spawn(spawned, args=(run, args, free_port()), nprocs=args.nproc)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        # A worker that stopped with a message of its own (a bad --checkpoint, say) has
+        # printed it already and exited 1: end with its exit status, not with spawn's
+        # dozen-line traceback under the message. Anything else (a crash, a signal): spawn's
+        # message, which carries the worker's traceback, in place of ours.
+        code = getattr(e, "exit_code", None)
+        raise SystemExit(code if code is not None and code > 0
+                         else f"{os.path.basename(sys.argv[0])}: {e}")
+
+
 def fail(message):
     """Stop this process with `message` as its one error line (on stderr) and exit status 1.
 
@@ -326,6 +420,22 @@ def load_sharded(state, folder):
 
 def num_params(model):
     return sum(p.numel() for p in model.parameters())
+
+
+def held_bytes(model, optimizer):
+    """Bytes this rank holds for weights, gradients and Adam's two moments: the summary's
+    `state`. Of a sharded tensor (a DTensor: FSDP, TP) it counts this rank's piece,
+    to_local(); of ZeRO-1's optimizer the moments of this rank's share (its local Adam,
+    .optim). A gradient has its weight's size (it exists from backward to zero_grad); Adam's
+    step counters are scalars, left out."""
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    weights = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    moments = sum(local(v).numel() * v.element_size()
+                  for state in getattr(optimizer, "optim", optimizer).state.values()
+                  for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return 2 * weights + moments
 
 
 class Meter:

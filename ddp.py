@@ -63,12 +63,9 @@ import datetime
 import functools
 import itertools
 import os
-import socket
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -77,8 +74,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, num_params, positive, print0, save_atomic, seed_everything
-from common import compile_problem, machine_gpus, most_workers
+from common import fail, held_bytes, num_params, positive, print0, save_atomic, seed_everything
+from common import compile_problem, launch, leave, machine_gpus, most_workers, ranks, restart_store
 
 
 def parse_args(argv=None):
@@ -118,11 +115,9 @@ def parse_args(argv=None):
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                           help="auto: NCCL when every rank has a GPU of its own, else gloo")
     hardware.add_argument("--nproc", type=positive(int), default=None,
-                          help="workers to start without torchrun (default: one per GPU, or 2 "
-                               "on a CPU)")
-    # PyTorch's own default (10 minutes). A short one kills a healthy job whenever one rank
-    # is busy alone while the others wait in a collective: rank 0 writing a checkpoint, a long
-    # first compile. The tests pass a short one, to fail fast.
+                          help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)")
+    # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
+    # alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
     hardware.add_argument("--timeout", type=positive(float), default=600.0,
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
@@ -143,19 +138,13 @@ def parse_args(argv=None):
     if problem:
         parser.error(problem)
     gpus = machine_gpus() if use_cuda else 0
-    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
-        world_size = int(os.environ["WORLD_SIZE"])
-        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-    else:
-        if args.nproc is None:
-            args.nproc = most_workers(gpus, args.batch_size, args.accum_steps)
-            if args.nproc < gpus:
-                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
-                      f"that divide --batch-size {args.batch_size}; pass a multiple of "
-                      f"{gpus * args.accum_steps} to use all", flush=True)
-        world_size = local_world = args.nproc
+    # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
+    # CPU), or fewer where that many would not divide the batch (common.most_workers).
+    world_size, local_world = ranks(
+        args, most_workers(gpus, args.batch_size, args.accum_steps), gpus,
+        f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
+        f"{gpus * args.accum_steps} to use all")
     if args.backend == "nccl" and local_world > gpus:
-        # Said here in one line; NCCL itself would fail later with "Duplicate GPU detected".
         parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} GPU(s); "
                      "NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
     if args.batch_size % (world_size * args.accum_steps):
@@ -195,36 +184,23 @@ def setup(args):
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if use_cuda and local_world <= machine_gpus() else "gloo"
-    timeout = datetime.timedelta(seconds=args.timeout)
-    store = None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
-        # group reads the dead attempt's addresses (docs/traps.md#restarts).
-        store = dist.PrefixStore(
-            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size, is_master=False, timeout=timeout))
-    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
-    # job that waits forever (without one, 10 minutes for NCCL, 30 for gloo).
+    store = restart_store(world_size, args.timeout)  # torchrun's restarts: common.py
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=device if backend == "nccl" else None)
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     print0(f"ddp: {world_size} ranks | backend {backend} | device {device.type} | "
            f"torch {torch.__version__}")
     if use_cuda and backend == "gloo":
-        # More ranks than GPUs: gloo ranks share them through host copies. Fine on a
-        # workstation; refused on GPUs in EXCLUSIVE_PROCESS mode, common on clusters, and
-        # gloo's CUDA support is retired upstream (docs/traps.md#gloo-on-gpus).
-        print0(f"ddp: {local_world} ranks share {machine_gpus()} GPU(s) over gloo: a test "
-               "setup, not a fast one")
+        # More ranks than GPUs: gloo ranks share them through host copies, a test setup
+        # (clusters' EXCLUSIVE_PROCESS GPUs refuse it: docs/traps.md#gloo-on-gpus).
+        print0(f"ddp: {local_world} ranks share {machine_gpus()} GPU(s) over gloo: slow")
     return rank, world_size, device
 
 
 def evaluate(model, dataset, rank, world_size, batch_size, device):
-    """The mean squared error over every sample of the held-out set, exactly, on every rank.
-
-    Every rank must call it: it ends in a collective. (Evaluating on rank 0 alone hangs as soon
-    as anything collective runs inside, pytorch/pytorch#54059.)
-    """
+    """The mean squared error over every sample of the held-out set, exactly. Every rank must
+    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- DDP: evaluate a shard on each rank, then add the sums up ---
     # Without drop_last, DistributedSampler pads every rank's shard to the same length with
@@ -238,9 +214,8 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # The unwrapped model: the replicas are identical, and no DDP hook runs, so nothing
-            # collective hides in this forward (DDP's forward can broadcast buffers, which
-            # would hang if the ranks ran different numbers of batches).
+            # The unwrapped model: no DDP hook, so nothing collective hides in this forward
+            # (DDP's can broadcast buffers: a hang where the ranks' batch counts differ).
             sums[0] += F.mse_loss(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
@@ -253,8 +228,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the unwrapped model, the final loss (averaged over all ranks) and the
-    final validation loss."""
+    """Train; return the unwrapped model, the final loss (the ranks' mean) and val loss."""
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
@@ -286,27 +260,22 @@ def train(args, rank, world_size, device):
     state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DDP: wrap the model ---
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
-    # each bucket of gradients (25 MB by default: bucket_cap_mb) as soon as backward has
-    # produced it, so communication overlaps the rest of backward. gradient_as_bucket_view
-    # makes each .grad a view into its bucket instead of a copy: one memory copy less each
-    # way, and one gradient's worth of memory saved (13% more samples/s on a 2-core CPU, see
-    # docs/performance.md). Don't call .detach_() on such a .grad; zero_grad() is fine.
+    # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
+    # communication overlaps the rest of backward. gradient_as_bucket_view makes each .grad a
+    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved
+    # (13% more samples/s on 2 CPU cores, docs/performance.md); don't .detach_() such a .grad.
     # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
-    # buckets' all-reduces overlap backward as usual. Compiling the whole wrapper instead,
-    # torch.compile(ddp_model), also works: DDP's optimizer then splits the graph at bucket
-    # boundaries so the all-reduces still overlap (docs/compile.md).
+    # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end DDP ---
     if args.zero1:
-        # --- ZeRO-1: shard the optimizer's state ---
-        # Parameters are dealt to ranks, balanced by size. Each rank's Adam holds the
-        # moments of its own share only and steps only that share; step() then broadcasts
-        # every share from its owner, so all replicas end the step with the same weights as
-        # plain DDP's Adam. Weights and gradients stay whole (DDP's all-reduce is as before).
+        # ZeRO-1: the parameters are dealt to the ranks, balanced by size. Each rank's Adam
+        # holds the moments of its own share only and steps only that share; step() then
+        # broadcasts every share from its owner, so all replicas end the step with plain
+        # DDP's weights. Weights and gradients stay whole (DDP's all-reduce is as before).
         optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(),
                                             optimizer_class=torch.optim.Adam, lr=args.lr)
-        # --- end ZeRO-1 ---
     else:
         optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
     start_step = 0
@@ -319,10 +288,9 @@ def train(args, rank, world_size, device):
     # --- DDP: shard the data ---
     # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
     # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
-    # B/N samples per rank, optimizer step k therefore sees positions k*B .. k*B+B-1 of the
-    # permutation spread over the N ranks: exactly the batch one device with batch B sees at
-    # step k. Since DDP averages the N per-rank mean gradients, the update is the same too.
-    # drop_last drops the tail the same way for any N that divides B.
+    # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
+    # over the N ranks: the batch one device with batch B sees at step k, and as DDP averages
+    # the N per-rank means, the same update. drop_last drops the same tail for any N | B.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
@@ -345,9 +313,8 @@ def train(args, rank, world_size, device):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
             # --- DDP: accumulate gradients without communicating ---
-            # no_sync() skips the all-reduce; it must cover forward *and* backward, because
-            # forward is where DDP decides whether the coming backward will sync. The last
-            # micro-batch syncs the accumulated sum in one go.
+            # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
+            # where DDP decides whether the coming backward syncs. The last one syncs the sum.
             last = micro == args.accum_steps - 1
             with contextlib.nullcontext() if last else ddp_model.no_sync():
                 # Divided by K so that K micro-batch gradients add up to the mean over the
@@ -359,10 +326,9 @@ def train(args, rank, world_size, device):
             # --- end DDP ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            # --clip. After backward every replica holds the averaged gradient of the whole
-            # batch, so each rank measures the whole gradient's norm and all clip alike.
-            # (Clipping before the average, each rank its own gradient, would clip another
-            # vector on every rank: the replicas would part.) Returns the norm before clipping.
+            # --clip. Every replica holds the averaged gradient of the whole batch now: all
+            # ranks measure the same norm and clip alike (each clipping its own gradient before
+            # the average would part the replicas). Returns the norm before clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -389,10 +355,8 @@ def train(args, rank, world_size, device):
             # torchrun go on with the machines it still has).
             if args.zero1:
                 # The moments are spread over the ranks: gather them on rank 0 first, a
-                # collective every rank calls (each rank's share sent as a pickled object: 37
-                # to 59 ms for the default model, 1.6 s for 8.4 M parameters, on 2 CPU ranks;
-                # docs/memory.md). The file is then a plain Adam state_dict: it resumes with
-                # or without --zero1, on any number of ranks.
+                # collective every rank calls (docs/memory.md times it). The file is then a
+                # plain Adam state_dict: it resumes with or without --zero1, on any N.
                 optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
@@ -400,17 +364,6 @@ def train(args, rank, world_size, device):
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
-
-
-def held_bytes(model, optimizer):
-    """Bytes this rank holds for weights, gradients and Adam's two moments: all of them, or
-    with --zero1 the moments of its own share only (ZeroRedundancyOptimizer's local Adam,
-    .optim). A gradient has its weight's size; Adam's step counters are scalars, left out."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    moments = sum(v.numel() * v.element_size()
-                  for state in getattr(optimizer, "optim", optimizer).state.values()
-                  for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-    return 2 * weights + moments
 
 
 def save_checkpoint(args, model, optimizer, step):
@@ -466,58 +419,12 @@ def run(args):
         # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
         # SimpleModel.load_state_dict(strict=True) would refuse those keys.
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
-    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
-    # collective that we will never join, and tearing the group down under it can deadlock
-    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
-    gloo = dist.get_backend() == "gloo"
-    dist.destroy_process_group()
-    if gloo:
-        # Lets gloo's threads drop their last tensors while Python is alive; without it a
-        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
-        time.sleep(0.2)
-
-
-def free_port():
-    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
-
-    Another program could take it before rank 0 binds it again; rare, and then the run fails
-    at once with "address already in use" rather than hanging.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawned(local_rank, args, port):
-    """Entry point of a worker started by `python ddp.py`: set what torchrun would set."""
-    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
-    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
-    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      LOCAL_WORLD_SIZE=str(args.nproc))
-    run(args)
+    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        run(args)  # torchrun started one process per rank; this is one of them
-    else:
-        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
-        # for all, and if one fails it terminates the others and raises here.
-        try:
-            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
-            # printed it already and exited 1: end with its exit status, not with spawn's
-            # dozen-line traceback under the message. Anything else (a crash, a signal):
-            # spawn's message, which carries the worker's traceback, in place of ours.
-            code = getattr(e, "exit_code", None)
-            raise SystemExit(code if code is not None and code > 0
-                             else f"{os.path.basename(__file__)}: {e}")
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
 
 
 if __name__ == "__main__":

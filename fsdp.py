@@ -71,28 +71,25 @@ import itertools
 import json
 import os
 import shutil
-import socket
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, load_sharded, num_params, positive, print0, save_atomic
+from common import fail, held_bytes, load_sharded, num_params, positive, print0, save_atomic
 from common import compile_problem, machine_gpus, most_workers, seed_everything
+from common import launch, leave, ranks, restart_store  # starting workers
 
 
 def parse_args(argv=None):
@@ -137,11 +134,9 @@ def parse_args(argv=None):
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     hardware.add_argument("--nproc", type=positive(int), default=None,
-                          help="workers to start without torchrun (default: one per GPU, or 2 "
-                               "on a CPU)")
-    # PyTorch's own default (10 minutes). A short one kills a healthy job whenever one rank
-    # is busy alone while the others wait in a collective: rank 0 writing a checkpoint, a long
-    # first compile. The tests pass a short one, to fail fast.
+                          help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)")
+    # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
+    # alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
     hardware.add_argument("--timeout", type=positive(float), default=600.0,
                           help="seconds a collective may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
@@ -163,17 +158,12 @@ def parse_args(argv=None):
     if problem:
         parser.error(problem)
     gpus = machine_gpus() if use_cuda else 0
-    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
-        world_size = int(os.environ["WORLD_SIZE"])
-        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-    else:
-        if args.nproc is None:
-            args.nproc = most_workers(gpus, args.batch_size, args.accum_steps)
-            if args.nproc < gpus:
-                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, the most "
-                      f"that divide --batch-size {args.batch_size}; pass a multiple of "
-                      f"{gpus * args.accum_steps} to use all", flush=True)
-        world_size = local_world = args.nproc
+    # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
+    # CPU), or fewer where that many would not divide the batch (common.most_workers).
+    world_size, local_world = ranks(
+        args, most_workers(gpus, args.batch_size, args.accum_steps), gpus,
+        f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
+        f"{gpus * args.accum_steps} to use all")
     if use_cuda and local_world > gpus:
         # DDP's fallback (gloo ranks sharing a GPU) does not carry over: FSDP's all-gathers and
         # reduce-scatters of GPU tensors need NCCL, and NCCL one GPU per rank.
@@ -229,19 +219,11 @@ def setup(args):
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"  # parse_args checked: one GPU per rank
-    timeout = datetime.timedelta(seconds=args.timeout)
-    store = None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
-        # group reads the dead attempt's addresses (docs/traps.md#restarts).
-        store = dist.PrefixStore(
-            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size, is_master=False, timeout=timeout))
-    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
-    # job that waits forever (without one, 10 minutes for NCCL, 30 for gloo).
+    store = restart_store(world_size, args.timeout)  # torchrun's restarts: common.py
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=device if backend == "nccl" else None)
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     print0(f"fsdp: {world_size} ranks | backend {backend} | device {device.type} | "
            f"torch {torch.__version__}")
     return rank, world_size, device
@@ -448,20 +430,8 @@ def train(args, rank, world_size, device):
                 save_checkpoint(args, model, optimizer, rank, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
-                         state_bytes=sharded_bytes(model, optimizer)))
+                         state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
-
-
-def sharded_bytes(model, optimizer):
-    """Bytes this rank holds for weights, gradients and Adam's two moments: 1/N of the model's.
-
-    Each is a DTensor; to_local() is this rank's slice. A gradient has its weight's size (it
-    exists from backward to zero_grad). Adam's step counters are scalars, left out.
-    """
-    weights = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    moments = sum(v.to_local().numel() * v.element_size() for state in optimizer.state.values()
-                  for v in state.values() if isinstance(v, DTensor))
-    return 2 * weights + moments
 
 
 def save_checkpoint(args, model, optimizer, rank, step):
@@ -573,58 +543,12 @@ def run(args):
                                                                        cpu_offload=True))
         if rank == 0:
             save_atomic(weights, args.save)
-    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
-    # collective that we will never join, and tearing the group down under it can deadlock
-    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
-    gloo = dist.get_backend() == "gloo"
-    dist.destroy_process_group()
-    if gloo:
-        # Lets gloo's threads drop their last tensors while Python is alive; without it a
-        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
-        time.sleep(0.2)
-
-
-def free_port():
-    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
-
-    Another program could take it before rank 0 binds it again; rare, and then the run fails
-    at once with "address already in use" rather than hanging.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawned(local_rank, args, port):
-    """Entry point of a worker started by `python fsdp.py`: set what torchrun would set."""
-    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
-    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
-    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      LOCAL_WORLD_SIZE=str(args.nproc))
-    run(args)
+    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        run(args)  # torchrun started one process per rank; this is one of them
-    else:
-        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
-        # for all, and if one fails it terminates the others and raises here.
-        try:
-            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
-            # printed it already and exited 1: end with its exit status, not with spawn's
-            # dozen-line traceback under the message. Anything else (a crash, a signal):
-            # spawn's message, which carries the worker's traceback, in place of ours.
-            code = getattr(e, "exit_code", None)
-            raise SystemExit(code if code is not None and code > 0
-                             else f"{os.path.basename(__file__)}: {e}")
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
 
 
 if __name__ == "__main__":

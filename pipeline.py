@@ -68,12 +68,9 @@ import datetime
 import functools
 import itertools
 import os
-import socket
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.profiler import record_function
@@ -83,6 +80,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
 from common import eval_line, fail, log_line, make_dataset, num_params, positive, print0
 from common import compile_problem, machine_gpus, save_atomic, seed_everything
+from common import launch, leave, ranks, restart_store  # starting workers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -130,9 +128,8 @@ def parse_args(argv=None):
     hardware.add_argument("--nproc", type=positive(int), default=None,
                           help="stages to start without torchrun, one process each (default: "
                                "one per GPU, or 2 on a CPU); 1: model parallelism")
-    # PyTorch's own default (10 minutes). A short one kills a healthy job whenever one rank
-    # is busy alone while the others wait in a collective: rank 0 writing a checkpoint, a long
-    # first compile. The tests pass a short one, to fail fast.
+    # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
+    # alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
     hardware.add_argument("--timeout", type=positive(float), default=600.0,
                           help="seconds a send/recv may wait for a peer before the job fails")
     output = parser.add_argument_group("output")
@@ -153,18 +150,10 @@ def parse_args(argv=None):
     if problem:
         parser.error(problem)
     gpus = machine_gpus() if use_cuda else 0
-    if "RANK" in os.environ:  # started by torchrun, which sets these for every worker
-        world_size = int(os.environ["WORLD_SIZE"])
-        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-    else:
-        if args.nproc is None:
-            # One stage per GPU (2 on a CPU), but never more stages than blocks: on 8 GPUs
-            # --blocks 4 makes 4 stages; --blocks 8 would use all 8.
-            args.nproc = min(gpus or 2, args.blocks)
-            if args.nproc < gpus:
-                print(f"{os.path.basename(__file__)}: {args.nproc} of {gpus} GPUs, one stage "
-                      f"per block; pass --blocks {gpus} to use all", flush=True)
-        world_size = local_world = args.nproc
+    # torchrun's ranks, or the --nproc workers started here: by default one stage per GPU (2
+    # on a CPU), but never more stages than blocks: on 8 GPUs --blocks 4 makes 4 stages.
+    world_size, local_world = ranks(args, min(gpus or 2, args.blocks), gpus,
+                                    f"one stage per block; pass --blocks {gpus} to use all")
     if world_size == 1:
         # One process drives every stage (model parallelism): one per GPU, at least 2 (to
         # show the cut), at most one per block. It runs the whole batch through the stages
@@ -233,19 +222,11 @@ def setup(args):
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"  # the tensors the stages send live on `device`
-    timeout = datetime.timedelta(seconds=args.timeout)
-    store = None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Under torchrun: keys of their own for every restart attempt, or a restarted gloo
-        # group reads the dead attempt's addresses (docs/traps.md#restarts).
-        store = dist.PrefixStore(
-            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size, is_master=False, timeout=timeout))
-    # The timeout turns a dead or stuck peer into an error on every survivor, instead of a
-    # job that waits forever (without one, 10 minutes for NCCL, 30 for gloo).
+    store = restart_store(world_size, args.timeout)  # torchrun's restarts: common.py
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=device if backend == "nccl" else None)
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
     if world_size > 1:
         print0(f"pipeline: {world_size} stages | schedule {args.schedule} | "
                f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
@@ -589,58 +570,12 @@ def run(args):
     if args.save and rank == 0:
         # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
         save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
-    # A clean exit. If anything above raised, we do not get here: a peer may be waiting in a
-    # collective that we will never join, and tearing the group down under it can deadlock
-    # (pytorch/torchtitan#1342). The exception exits non-zero and the launcher ends the rest.
-    gloo = dist.get_backend() == "gloo"
-    dist.destroy_process_group()
-    if gloo:
-        # Lets gloo's threads drop their last tensors while Python is alive; without it a
-        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
-        time.sleep(0.2)
-
-
-def free_port():
-    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
-
-    Another program could take it before rank 0 binds it again; rare, and then the run fails
-    at once with "address already in use" rather than hanging.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawned(local_rank, args, port):
-    """Entry point of a worker started by `python pipeline.py`: set what torchrun would set."""
-    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
-    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
-    # Your own OMP_NUM_THREADS wins, as it does under torchrun.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      LOCAL_WORLD_SIZE=str(args.nproc))
-    run(args)
+    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        run(args)  # torchrun started one process per rank; this is one of them
-    else:
-        # No launcher: start args.nproc workers here. mp.spawn passes each its index, waits
-        # for all, and if one fails it terminates the others and raises here.
-        try:
-            mp.spawn(spawned, args=(args, free_port()), nprocs=args.nproc)
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-            # A worker that stopped with a message of its own (a bad --checkpoint, say) has
-            # printed it already and exited 1: end with its exit status, not with spawn's
-            # dozen-line traceback under the message. Anything else (a crash, a signal):
-            # spawn's message, which carries the worker's traceback, in place of ours.
-            code = getattr(e, "exit_code", None)
-            raise SystemExit(code if code is not None and code > 0
-                             else f"{os.path.basename(__file__)}: {e}")
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, num_params, positive, print0, save_atomic, seed_everything
+from common import fail, held_bytes, num_params, positive, print0, save_atomic, seed_everything
 from common import compile_problem
 
 
@@ -227,7 +227,8 @@ def train(args, device):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+                         state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
 

@@ -81,7 +81,7 @@ JOB = ["--batch-size=1200", "--lr=0.003", "--seed=0", "--hidden=32", "--blocks=3
 def proof(steps, checkpoints, folder):
     """Loss curves of every strategy over `steps` of the tests' job, and the weight difference
     from one device after each of `checkpoints` steps (a run of that many steps, saved), in
-    fp32 and with --fp64 (every strategy but AMP, which refuses it)."""
+    fp32 and with --fp64 (every strategy but AMP in bf16, which refuses it)."""
     curves, diffs, diffs64 = {}, {}, {}
     for label, (prefix, script, flags) in STRATEGIES.items():
         for precision in ([""] if script == "amp.py" else ["", "--fp64"]):

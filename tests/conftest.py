@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # common.py, for the model and the data
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference.py
 
-from common import SimpleModel  # noqa: E402
+from common import SimpleModel, free_port  # noqa: E402
 
 # Two proofs, each where it holds (docs/proofs.md):
 #
@@ -427,12 +426,6 @@ def launch_and_kill_a_worker(*cmd, script, when, timeout=90):
     assert killed_at is not None, f"never saw {when!r}:\n{''.join(lines)}"
     out = "".join(lines)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, out), time.monotonic() - killed_at
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def refused_in_one_line(script, flags, message, capsys):

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from common import IN_FEATURES, SimpleModel
-from conftest import (CUDA_JOB_FLAGS, JOB, JOB_FLAGS, TOL, VAL_TOL, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, load_saved, logged_losses, max_diff, needs_cuda,
-                      ok, python, refused_in_one_line, run_in_process, summary_val_loss)
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, fp64, load_saved, logged_losses, max_diff,
+                      needs_cuda, ok, python, refused_in_one_line, run_in_process,
+                      summary_val_loss)
 from reference import reference_train
 
 amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
@@ -124,10 +126,21 @@ def test_fp16_checkpoint_resumes_with_its_scaler_to_the_uninterrupted_weights(tm
     assert max_diff(load_saved(tmp_path / "resumed.pt"), load_saved(tmp_path / "straight.pt")) == 0
 
 
-def test_fp64_is_refused_in_one_line_by_amp_which_lowers_the_precision(capsys, monkeypatch):
-    """Every script shares --fp64; amp.py names what to run instead."""
-    refused_in_one_line("amp", ["--fp64"], "--fp64: amp.py trains in less precision, not more; "
-                        "use --dtype fp32", capsys)
+def test_fp64_with_16_bit_autocast_is_refused_in_one_line(capsys):
+    """Every script shares --fp64; amp.py runs it with autocast off, and refuses it beside a
+    16-bit type, which would lower the precision it asks for."""
+    for dtype in ("bf16", "fp16"):
+        refused_in_one_line("amp", ["--fp64", f"--dtype={dtype}"], f"--fp64 with --dtype {dtype}: "
+                            "autocast would compute in 16 bits; use --dtype fp32", capsys)
+
+
+def test_fp64_clipped_and_accumulated_through_the_scaler_path_equals_the_fp64_oracle(tmp_path):
+    """--fp64 picks autocast off (fp32's path: the disabled GradScaler, unscale_, clipping in
+    optimizer_step): in float64 it is the oracle to ~1e-12, not only to fp32's 1e-6."""
+    seed = FP64_SEEDS[1]
+    run = run_in_process("amp", [*fp64(seed, clip=FP64_CLIP), "--accum-steps=3"], tmp_path)
+    assert "amp: dtype fp32" in run[0]
+    assert_fp64_run_equals_the_fp64_oracle(run, seed, clip=FP64_CLIP)
 
 
 def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(tmp_path):
@@ -138,7 +151,7 @@ def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(t
     args = amp.parse_args([*JOB_FLAGS, "--dtype=fp16", f"--checkpoint={ckpt}"])
     model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
     with pytest.raises(SystemExit, match="written with --dtype bf16, not fp16; use --dtype bf16"):
-        amp.load_checkpoint(args, model, "fp16")
+        amp.load_checkpoint(args, model)
     assert ckpt.read_bytes() == before
 
 

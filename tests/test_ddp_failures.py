@@ -1,6 +1,7 @@
 """ddp.py survives failures: restarts resume from checkpoints to the same weights, on any
 number of ranks; a dead peer ends the job; bad input is refused in one line."""
 
+import argparse
 import importlib
 import os
 import sys
@@ -66,7 +67,6 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
     module = importlib.import_module(script)
     args = module.parse_args(["--device=cpu", *(["--nproc=1"] if script in ("ddp", "pipeline")
                                                 else [])])
-    extra = ["bf16"] if script == "amp" else []  # amp.py's load_checkpoint checks the dtype
     ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
     cases = [(b"garbage", "cannot be read")]
     common.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
@@ -75,7 +75,7 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
         with open(ckpt, "wb") as f:
             f.write(content)
         with pytest.raises(SystemExit) as exit_:
-            module.load_checkpoint(args, common.SimpleModel(hidden=32), *extra)
+            module.load_checkpoint(args, common.SimpleModel(hidden=32))
         assert str(exit_.value).startswith(f"{script}.py: error: --checkpoint {ckpt}: {message}")
         assert open(ckpt, "rb").read() == content
 
@@ -175,17 +175,16 @@ def test_bad_checkpoint_ends_in_its_one_line_on_every_launch_path(tmp_path):
 
 @pytest.mark.parametrize("omp", [None, "3"])
 def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monkeypatch):
-    import ddp
     # spawned() sets RANK, WORLD_SIZE, ... in os.environ: give it a copy, so that they do not
     # leak into the environment of every command the later tests launch.
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     monkeypatch.setattr(os, "environ", {**env, **({"OMP_NUM_THREADS": omp} if omp else {})})
     threads = []
-    monkeypatch.setattr(ddp, "run", lambda args: threads.append(torch.get_num_threads()))
     before = torch.get_num_threads()
     torch.set_num_threads(3)  # as OMP_NUM_THREADS=3 would have set it at start-up
     try:
-        ddp.spawned(0, ddp.parse_args(["--nproc=2", "--device=cpu"]), free_port())
+        common.spawned(0, lambda args: threads.append(torch.get_num_threads()),
+                       argparse.Namespace(nproc=2), free_port())
     finally:
         torch.set_num_threads(before)
     assert threads == [3 if omp else max(1, os.cpu_count() // 2)]

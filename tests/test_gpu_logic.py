@@ -83,7 +83,8 @@ def test_amp_auto_dtype_is_bf16_only_from_compute_capability_8(capability, dtype
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda precision: None)
     import amp
-    assert amp.setup(amp.parse_args([])) == (torch.device("cuda", 0), dtype)
+    args = amp.parse_args([])
+    assert (amp.setup(args), args.dtype) == (torch.device("cuda", 0), dtype)
 
 
 def test_fsdp_on_cpu_builds_its_mesh_on_the_cpu_where_an_accelerator_is_visible(tmp_path):

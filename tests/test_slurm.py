@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOB, REPO, load_saved, max_diff
+from conftest import JOB, REPO, free_port, load_saved, max_diff
 from reference import reference_train
 from conftest import TOL
 
@@ -24,12 +24,6 @@ missing = [d for d in DAEMONS if shutil.which(d) is None]
 pytestmark = pytest.mark.skipif(bool(missing), reason=(
     f"Slurm is not installed (no {', '.join(missing)}): apt-get install slurmctld slurmd "
     "slurm-client, as .ci/run does"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
