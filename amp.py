@@ -48,8 +48,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, held_bytes, num_params, positive, print0, save_atomic, seed_everything
-from common import compile_problem
+from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import compile_problem, save_atomic, seed_everything
 
 
 def parse_args(argv=None):
@@ -156,7 +156,7 @@ def optimizer_step(model, optimizer, scaler, clip):
     scaler.step(optimizer)
     scaler.update()
     skipped = scaler.get_scale() < scale
-    # --- end AMP ---
+    # --- end ---
     optimizer.zero_grad(set_to_none=True)
     return norm, skipped
 
@@ -208,7 +208,6 @@ def train(args, device):
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     # --- end ---
-    state = load_checkpoint(args, model) if args.checkpoint else None
     # The weights stay fp32 ("master weights"; fp64 with --fp64): autocast casts them to 16
     # bits on the fly inside each op, so the optimizer's small updates are not rounded away.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -221,15 +220,8 @@ def train(args, device):
     # mantissa instead): nothing underflows, no scaler. Disabled, the scaler is a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
-    # --- end AMP ---
-    start_step = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
-        # The scale it had learned: without it a resumed fp16 run starts again at 65536 and
-        # skips its first steps backing off to where it already was.
-        scaler.load_state_dict(state["scaler"])
-        start_step = state["step"]
-        print0(f"resumed from {args.checkpoint} at step {start_step}")
+    # --- end ---
+    start_step = load_checkpoint(args, model, optimizer, scaler) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
@@ -267,7 +259,7 @@ def train(args, device):
             # scale(loss) multiplies by the current scale (fp16) or returns loss unchanged.
             with record_function("backward"):
                 scaler.scale(loss).backward()
-            # --- end AMP ---
+            # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
             grad_norm, skipped = optimizer_step(model, optimizer, scaler, args.clip)
@@ -297,8 +289,7 @@ def save_checkpoint(args, model, optimizer, scaler, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
-    # The scaler's state (its current scale and growth tracker) belongs next to the model
-    # and the optimizer: fp16 training is not resumable without it. The dtype says which.
+    # The scaler's state (its scale, growth tracker): fp16 does not resume without it.
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scaler": scaler.state_dict(), "dtype": args.dtype,
                  "step": step, "batch_size": args.batch_size, "seed": args.seed,
@@ -307,15 +298,14 @@ def save_checkpoint(args, model, optimizer, scaler, step):
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model):
-    """Read --checkpoint into the model if it exists (return its state, or None if there is
-    none); a bad one stops with one line and is left as it was."""
-    if not os.path.exists(args.checkpoint):
-        return None
-
+def load_checkpoint(args, model, optimizer, scaler):
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops with one line and is left as it was."""
     def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
+    if not os.path.exists(args.checkpoint):
+        return 0
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
         # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
@@ -323,26 +313,19 @@ def load_checkpoint(args, model):
         # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        if "size mismatch" in str(e) or "Missing key" in str(e):
-            refuse("saved with another model size; use its --hidden and --blocks")
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    except Exception as e:  # truncated, not a torch file, not a dict...
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if state.get(key) != getattr(args, key):
-            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {state.get(key)}")
-    if state.get("fp64", False) != args.fp64:
-        # Loading would cast the weights and Adam's moments silently, and the run would go on
-        # in another precision than it started in.
-        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
-               else "written without --fp64; drop --fp64 to continue it")
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse("saved with another model size; use its --hidden and --blocks"
+               if "size mismatch" in str(e) or "Missing key" in str(e)
+               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
     if state.get("dtype") != args.dtype:
         # A bf16 or fp32 run keeps no scaler state, which fp16 needs to go on.
         refuse(f"written with --dtype {state.get('dtype')}, not {args.dtype}; "
                f"use --dtype {state.get('dtype')}")
-    return state
+    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    scaler.load_state_dict(state["scaler"])  # the learned scale; else fp16 restarts at 65536
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
 
 
 def main(argv=None):

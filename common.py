@@ -156,12 +156,12 @@ def compile_problem(use_cuda):
     return None
 
 
-def most_workers(gpus, batch_size, accum_steps=1):
+def most_workers(gpus, batch_size, accum_steps=1, width=None):
     """The default worker count: one per GPU (2 on a machine without), or fewer where that many
     would not divide the batch evenly (on 6 GPUs --batch-size 64 runs on 4, 16 samples each;
-    --batch-size 96 would use all 6)."""
-    return max((n for n in range(1, (gpus or 2) + 1) if batch_size % (n * accum_steps) == 0),
-               default=1)
+    --batch-size 96 would use all 6), nor `width` if given (what tensor parallelism cuts)."""
+    return max((n for n in range(1, (gpus or 2) + 1) if batch_size % (n * accum_steps) == 0
+                and (width is None or width % n == 0)), default=1)
 
 
 def machine_gpus():
@@ -338,6 +338,70 @@ def save_atomic(obj, path):
         raise
 
 
+def check_resumable(saved, args, refuse):
+    """Call refuse(why) if this run cannot continue the checkpoint whose train state is `saved`
+    exactly: another model size (where it says), --batch-size or --seed (the data order would
+    not continue), or the other precision (loading would cast the weights and Adam's moments
+    silently, and the run would go on in another precision than it started in)."""
+    if "hidden" in saved and (saved["hidden"], saved["blocks"]) != (args.hidden, args.blocks):
+        refuse(f"saved with --hidden {saved['hidden']} --blocks {saved['blocks']}; "
+               "use the same model size")
+    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
+        if saved.get(key) != getattr(args, key):
+            refuse(f"written with {flag} {saved.get(key)}, not {getattr(args, key)}: the data "
+                   f"order would not continue; use {flag} {saved.get(key)}")
+    if saved.get("fp64", False) != args.fp64:
+        refuse("written with --fp64; add --fp64 to continue it" if saved.get("fp64")
+               else "written without --fp64; drop --fp64 to continue it")
+
+
+# Sharded checkpoints (fsdp.py, tp.py): --checkpoint is a folder of DCP checkpoints, one
+# subfolder per step, and a file `latest` naming the complete one. A new step is written beside
+# the old one, and `latest` is switched to it with one atomic os.replace only once it is
+# complete: a crash at any moment leaves `latest` naming a whole checkpoint. Then the old one is
+# removed.
+
+def commit_sharded(folder, name, train_state):
+    """On rank 0, once every rank has written folder/name: its train state (small, the same on
+    every rank) as train_state.json, then `latest` switched to it, then the older steps gone."""
+    with open(os.path.join(folder, name, "train_state.json"), "w") as f:
+        json.dump(train_state, f)
+    tmp = os.path.join(folder, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, "latest"))
+    for old in os.listdir(folder):
+        if old.startswith("step_") and old != name:
+            shutil.rmtree(os.path.join(folder, old))
+    print(f"checkpoint: step {train_state['step']} -> {folder}/{name}", flush=True)
+
+
+def latest_sharded(folder, refuse):
+    """(the step folder `latest` names, its train state), or (None, None) where `folder` holds
+    no checkpoint yet; refuse(why) where it cannot be one. Reads small files only: every rank
+    calls it before any collective, and all get the same answer."""
+    if not os.path.exists(folder):
+        return None, None
+    if not os.path.isdir(folder):
+        refuse("is a file; fsdp.py and tp.py keep sharded checkpoints in a folder: "
+               "point elsewhere")
+    latest = os.path.join(folder, "latest")
+    if not os.path.exists(latest):
+        if os.listdir(folder):
+            refuse("this folder holds no checkpoint of fsdp.py or tp.py (no 'latest' file); "
+                   "point --checkpoint at a new or empty folder")
+        return None, None
+    try:
+        with open(latest) as f:
+            step_folder = os.path.join(folder, f.read().strip())
+        with open(os.path.join(step_folder, "train_state.json")) as f:
+            return step_folder, json.load(f)
+    except (OSError, ValueError) as e:
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+
+
 # The classes a checkpoint index (.metadata) of torch.distributed.checkpoint is made of: DCP's
 # own metadata dataclasses, the file reader's storage record, and the torch types they hold.
 DCP_METADATA_GLOBALS = {
@@ -364,8 +428,9 @@ class MetadataUnpickler(pickle.Unpickler):
         raise NotCheckpointData(f"{module}.{name}")
 
 
-def load_sharded(state, folder):
-    """dcp.load(state, checkpoint_id=folder), reading the checkpoint as data, never as code.
+def load_sharded(state, folder, refuse):
+    """dcp.load(state, checkpoint_id=folder), reading the checkpoint as data, never as code;
+    refuse(why) where it cannot be read, on every rank alike.
 
     torch trusts a DCP folder: it reads the index (.metadata) with a plain pickle.load, and every
     non-tensor value in the shards (the optimizer's lr, betas...) with torch.load(weights_only=
@@ -376,6 +441,18 @@ def load_sharded(state, folder):
     the same answer on every rank, so all stop together. What goes wrong later, inside
     dcp.load, raises DCP's CheckpointException on every rank.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        _load_data_only(state, folder)
+    except ValueError as e:  # found before any collective, the same on every rank
+        refuse(f"{e}; move it away or point elsewhere")
+    except (Exception, CheckpointException) as e:  # raised on every rank by the collective
+        # (CheckpointException derives from BaseException: `except Exception` misses it.)
+        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+
+
+def _load_data_only(state, folder):
+    """load_sharded's work: ValueError for what the files alone show, then dcp.load."""
     # Imported here: only the sharded scripts need it, and it takes most of a second.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta

@@ -45,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, held_bytes, num_params, positive, print0, save_atomic, seed_everything
+from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import save_atomic, seed_everything
 
 
 def parse_args(argv=None):
@@ -174,7 +175,6 @@ def train(args, device):
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     # --- end ---
-    state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DataParallel: wrap the model ---
     # Every forward: replicate the weights onto each visible GPU, scatter the batch along
     # dim 0 (B/G samples each), run the G forwards in threads, gather the outputs on GPU 0.
@@ -185,13 +185,9 @@ def train(args, device):
     # device_ids: every visible GPU. On the CPU, no wrapper at all: DataParallel would still
     # take the visible GPUs, and refuse a model whose weights are not on the first of them.
     dp_model = DataParallel(model) if device.type == "cuda" else model
-    # --- end DataParallel ---
+    # --- end ---
     optimizer = torch.optim.Adam(dp_model.parameters(), lr=args.lr)
-    start_step = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
-        start_step = state["step"]
-        print0(f"resumed from {args.checkpoint} at step {start_step}")
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
@@ -261,15 +257,14 @@ def save_checkpoint(args, model, optimizer, step):
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model):
-    """Read --checkpoint into the model if it exists (return its state, or None if there is
-    none); a bad one stops with one line and is left as it was."""
-    if not os.path.exists(args.checkpoint):
-        return None
-
+def load_checkpoint(args, model, optimizer):
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops with one line and is left as it was."""
     def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
+    if not os.path.exists(args.checkpoint):
+        return 0
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
         # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
@@ -277,22 +272,14 @@ def load_checkpoint(args, model):
         # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        if "size mismatch" in str(e) or "Missing key" in str(e):
-            refuse("saved with another model size; use its --hidden and --blocks")
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    except Exception as e:  # truncated, not a torch file, not a dict...
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if state.get(key) != getattr(args, key):
-            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {state.get(key)}")
-    if state.get("fp64", False) != args.fp64:
-        # Loading would cast the weights and Adam's moments silently, and the run would go on
-        # in another precision than it started in.
-        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
-               else "written without --fp64; drop --fp64 to continue it")
-    return state
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse("saved with another model size; use its --hidden and --blocks"
+               if "size mismatch" in str(e) or "Missing key" in str(e)
+               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
 
 
 def main(argv=None):

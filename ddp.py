@@ -74,8 +74,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, held_bytes, num_params, positive, print0, save_atomic, seed_everything
-from common import compile_problem, launch, leave, machine_gpus, most_workers, ranks, restart_store
+from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import compile_problem, save_atomic, seed_everything
+from common import launch, leave, machine_gpus, most_workers, ranks, restart_store
 
 
 def parse_args(argv=None):
@@ -113,7 +114,7 @@ def parse_args(argv=None):
                           help="ZeRO-1: each rank keeps and updates Adam's state for 1/N of the "
                                "parameters (ZeroRedundancyOptimizer); same weights, less memory")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL when every rank has a GPU of its own, else gloo")
+                          help="auto: NCCL where every rank has a GPU of its own, else gloo")
     hardware.add_argument("--nproc", type=positive(int), default=None,
                           help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)")
     # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
@@ -172,7 +173,7 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
-        # cuda:8 does not exist. The modulo lets several gloo ranks share one GPU.
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
@@ -222,7 +223,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     # shard like a 334-sample one and count the duplicates, and change with the number of
     # ranks (pytorch/pytorch#25162).
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # --- end DDP ---
+    # --- end ---
     model.train()
     return (sums[0] / sums[1]).item()
 
@@ -235,8 +236,7 @@ def train(args, rank, world_size, device):
     # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
-    # Same seed on every rank, so every replica starts from the same weights. (DDP would
-    # broadcast rank 0's weights anyway; seeding keeps anything else you build in step too.)
+    # Same seed on every rank: the replicas start alike (DDP would broadcast rank 0's anyway).
     seed_everything(args.seed)
     model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device, dtype)
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
@@ -257,7 +257,6 @@ def train(args, rank, world_size, device):
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     # --- end ---
-    state = load_checkpoint(args, model) if args.checkpoint else None
     # --- DDP: wrap the model ---
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
     # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
@@ -268,34 +267,29 @@ def train(args, rank, world_size, device):
     # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
-    # --- end DDP ---
+    # --- end ---
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.zero1:
-        # ZeRO-1: the parameters are dealt to the ranks, balanced by size. Each rank's Adam
-        # holds the moments of its own share only and steps only that share; step() then
-        # broadcasts every share from its owner, so all replicas end the step with plain
-        # DDP's weights. Weights and gradients stay whole (DDP's all-reduce is as before).
-        optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(),
-                                            optimizer_class=torch.optim.Adam, lr=args.lr)
-    else:
-        optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr)
-    start_step = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
-        start_step = state["step"]
-        print0(f"resumed from {args.checkpoint} at step {start_step}")
+        # ZeRO-1: the parameters are dealt to the ranks, balanced by size; each rank's Adam
+        # holds and steps its own share only, then step() broadcasts every share from its owner:
+        # plain DDP's weights. Weights and gradients stay whole (DDP's all-reduce is as before).
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                            lr=args.lr)
+    # (Every rank reads the same file into its replica: they stay identical.)
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- DDP: shard the data ---
     # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
     # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
     # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
-    # over the N ranks: the batch one device with batch B sees at step k, and as DDP averages
-    # the N per-rank means, the same update. drop_last drops the same tail for any N | B.
+    # over the N ranks: the batch one device with batch B sees at step k, and with the N
+    # per-rank mean gradients averaged, the same update. drop_last: the same tail for any N | B.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
-    # --- end DDP ---
+    # --- end ---
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
@@ -312,18 +306,18 @@ def train(args, rank, world_size, device):
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
             last = micro == args.accum_steps - 1
             with contextlib.nullcontext() if last else ddp_model.no_sync():
-                # Divided by K so that K micro-batch gradients add up to the mean over the
-                # whole batch, not K times it (which would act like a K times larger lr).
                 with record_function("forward"):
                     loss = F.mse_loss(ddp_model(x), y) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
-            # --- end DDP ---
+            # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
             # --clip. Every replica holds the averaged gradient of the whole batch now: all
@@ -350,13 +344,11 @@ def train(args, rank, world_size, device):
                                     args.batch_size // world_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # The replicas are identical: one writer is enough. Nothing in the file depends on
-            # the world size, so a run saved on 2 ranks resumes on 1 or 3 (what lets elastic
-            # torchrun go on with the machines it still has).
+            # One writer: the replicas are identical. Nothing in the file depends on the world
+            # size: saved on 2 ranks, it resumes on 1 or 3 (elastic torchrun goes on with fewer).
             if args.zero1:
-                # The moments are spread over the ranks: gather them on rank 0 first, a
-                # collective every rank calls (docs/memory.md times it). The file is then a
-                # plain Adam state_dict: it resumes with or without --zero1, on any N.
+                # The moments are spread over the ranks: gather them on rank 0 first (a
+                # collective, timed in docs/memory.md): a plain Adam state_dict, as without it.
                 optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
@@ -377,15 +369,14 @@ def save_checkpoint(args, model, optimizer, step):
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model):
-    """Read --checkpoint into the model if it exists (return its state, or None if there is
-    none); a bad one stops with one line and is left as it was."""
-    if not os.path.exists(args.checkpoint):
-        return None
-
+def load_checkpoint(args, model, optimizer):
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops with one line and is left as it was."""
     def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
+    if not os.path.exists(args.checkpoint):
+        return 0
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
         # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
@@ -393,22 +384,14 @@ def load_checkpoint(args, model):
         # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        if "size mismatch" in str(e) or "Missing key" in str(e):
-            refuse("saved with another model size; use its --hidden and --blocks")
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    except Exception as e:  # truncated, not a torch file, not a dict...
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if state.get(key) != getattr(args, key):
-            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {state.get(key)}")
-    if state.get("fp64", False) != args.fp64:
-        # Loading would cast the weights and Adam's moments silently, and the run would go on
-        # in another precision than it started in.
-        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
-               else "written without --fp64; drop --fp64 to continue it")
-    return state
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse("saved with another model size; use its --hidden and --blocks"
+               if "size mismatch" in str(e) or "Missing key" in str(e)
+               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
 
 
 def run(args):

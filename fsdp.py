@@ -68,14 +68,11 @@ import argparse
 import datetime
 import functools
 import itertools
-import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
@@ -87,9 +84,10 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, held_bytes, load_sharded, num_params, positive, print0, save_atomic
-from common import compile_problem, machine_gpus, most_workers, seed_everything
-from common import launch, leave, ranks, restart_store  # starting workers
+from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import compile_problem, save_atomic, seed_everything
+from common import launch, leave, machine_gpus, most_workers, ranks, restart_store
+from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 
 
 def parse_args(argv=None):
@@ -124,13 +122,12 @@ def parse_args(argv=None):
                           help="drop each block's activations after forward and recompute "
                                "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
+                          help="auto: NCCL where every rank has a GPU of its own, else gloo")
     hardware.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
                           help="false: keep each block's gathered weights from forward to "
                                "backward (one all-gather less per step, more memory)")
     hardware.add_argument("--replicate", type=positive(int), default=1, metavar="R",
-                          help="HSDP: R replicas, each sharded over N/R ranks (default 1: "
-                               "every rank holds a different shard)")
+                          help="HSDP: R replicas, each sharded over N/R ranks (default 1: FSDP)")
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     hardware.add_argument("--nproc", type=positive(int), default=None,
@@ -145,8 +142,7 @@ def parse_args(argv=None):
                         help="write a Chrome trace of steps 5-7 per rank into DIR "
                              "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
-                        help="a folder: resume from it if it holds a checkpoint; write sharded "
-                             "model, optimizer and step there")
+                        help="a folder: resume from it if it holds one; write sharded state there")
     output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
                         help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
@@ -165,26 +161,20 @@ def parse_args(argv=None):
         f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
         f"{gpus * args.accum_steps} to use all")
     if use_cuda and local_world > gpus:
-        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: FSDP's all-gathers and
-        # reduce-scatters of GPU tensors need NCCL, and NCCL one GPU per rank.
-        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): FSDP on GPUs "
-                     "needs one GPU per rank; use fewer ranks or --device cpu")
+        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: NCCL, one GPU per rank.
+        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
+                     "GPU per rank; use fewer ranks or --device cpu")
     if not use_cuda and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
-        # torch 2.7 and 2.8 sum FSDP2's gradients over gloo instead of averaging them,
-        # silently (docs/torch-versions.md).
-        parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or "
-                     "later (older ones sum the gradients instead of averaging them); "
-                     "upgrade torch, or run on GPUs")
+        parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or later "
+                     "(older ones sum the gradients: docs/torch-versions.md); upgrade torch")
     if world_size % args.replicate:
-        parser.error(f"--replicate {args.replicate} must divide the world size {world_size} "
-                     "(each replica shards over the same number of ranks); pick a divisor")
+        parser.error(f"--replicate {args.replicate} must divide the world size {world_size}")
     if args.fp64 and args.mixed_precision != "off":
-        parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: one asks for more "
-                     "precision, the other for less; drop one of them")
+        parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: drop one of them")
     carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
     if args.backend not in ("auto", carrier):
-        parser.error(f"--backend {args.backend}: FSDP here shards {'GPU' if use_cuda else 'CPU'} "
-                     f"tensors, which only {carrier} carries; use --backend {carrier} (or auto)")
+        parser.error(f"--backend {args.backend}: {'GPU' if use_cuda else 'CPU'} tensors travel "
+                     f"over {carrier} only; use --backend {carrier} (or auto)")
     if args.batch_size % (world_size * args.accum_steps):
         parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
                      f"{world_size} x --accum-steps {args.accum_steps}; "
@@ -209,7 +199,7 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
-        # cuda:8 does not exist. (A rank that sees only a GPU of its own has it as cuda:0.)
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
@@ -230,11 +220,8 @@ def setup(args):
 
 
 def evaluate(model, dataset, rank, world_size, batch_size, device):
-    """The mean squared error over every sample of the held-out set, exactly, on every rank.
-
-    Every rank must call it: it ends in a collective. (Evaluating on rank 0 alone hangs as soon
-    as anything collective runs inside, pytorch/pytorch#54059.)
-    """
+    """The mean squared error over every sample of the held-out set, exactly. Every rank must
+    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- FSDP: evaluate a shard on each rank, then add the sums up ---
     # Without drop_last, DistributedSampler pads every rank's shard to the same length with
@@ -248,30 +235,27 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # Every forward of a sharded model is a collective (each block all-gathers its
-            # weights), so every rank must run the same number of forwards: the padding keeps
-            # the batch counts equal, and a rank whose real samples have run out forwards an
-            # empty batch (x[:0]) rather than skipping the call.
+            # Every forward of a sharded model is a collective (FSDP's blocks all-gather weights,
+            # TP's all-reduce outputs), so all ranks run as many: the padding keeps the counts
+            # equal, and a rank out of real samples forwards an empty batch, x[:0].
             sums[0] += F.mse_loss(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
     # shard like a 334-sample one and count the duplicates, and change with the number of
     # ranks (pytorch/pytorch#25162).
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # A module that keeps its gathered weights after forward (the root always; every block
-    # with --reshard-after-forward false) expects backward to need them soon; after
-    # evaluation no backward comes, so hand the memory back (reshard() is not recursive).
+    # Modules that keep their gathered weights after forward (the root; with --reshard-after-
+    # forward false every block) wait for a backward that never comes here: free them.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    # --- end FSDP ---
+    # --- end ---
     model.train()
     return (sums[0] / sums[1]).item()
 
 
 def train(args, rank, world_size, device):
-    """Train; return the sharded model, the final loss (averaged over all ranks) and the
-    final validation loss."""
+    """Train; return the sharded model, the final loss (the ranks' mean) and val loss."""
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
@@ -290,8 +274,8 @@ def train(args, rank, world_size, device):
             # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
             # Before checkpointing wraps it (measured: 1 graph either way round, but 0 when the
             # whole module is compiled after its forward was patched: docs/compile.md).
-            # Inside, backward's recomputation runs the compiled code again. The first step
-            # pays the compile time (the summary's "first step").
+            # Inside, backward's recomputation runs the compiled code again. The first
+            # step pays the compile time (the summary's "first step").
             # Before fully_shard, so FSDP's all-gathers and reduce-scatters stay outside it
             # (torchtitan's order).
             block.forward = torch.compile(block.forward)
@@ -303,70 +287,62 @@ def train(args, rank, world_size, device):
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     # --- end ---
-    # bf16: each block's weights are gathered (and computed with) in bf16; the gradients are
-    # reduce-scattered in the weights' own dtype, since summing N ranks' gradients in bf16 (8
-    # bits of mantissa) would round away the small ones, and the sharded weights Adam updates
-    # keep theirs. Spelled `dtype`, never torch.float32: a hard-coded fp32 here would reduce an
-    # --fp64 run's gradients in fp32, and it would part from one device like any fp32 run.
+    # bf16: each block's weights are gathered and computed with in bf16; the gradients are
+    # reduce-scattered in the weights' dtype (a sum of N ranks' gradients in bf16 would round
+    # away the small ones). `dtype`, never torch.float32: that would reduce an --fp64 run's
+    # gradients in fp32, and it would part from one device like any fp32 run.
     compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype)
-    # The ranks the shards are spread over, on the device the tensors live on. Without mesh=,
-    # fully_shard builds one on the machine's accelerator, whatever --device says: with a GPU
-    # visible, `--device cpu` would try to put every rank on a GPU ("invalid device ordinal").
-    # --replicate R (HSDP): a 2D mesh, R rows of N/R ranks. fully_shard shards along a row
-    # ("shard": reduce-scatter, all-gather) and replicates along a column ("replicate": the
-    # gradient shards are all-reduced across the R copies, as DDP does).
+    # The ranks the shards are spread over, on the device the tensors live on (without mesh=,
+    # fully_shard picks the machine's accelerator, whatever --device says). --replicate R
+    # (HSDP): R rows of N/R ranks; each row shards ("shard": reduce-scatter, all-gather), and
+    # the R copies all-reduce their gradient shards ("replicate"), as DDP does.
     mesh = init_device_mesh(device.type, (args.replicate, world_size // args.replicate),
                             mesh_dim_names=("replicate", "shard")) if args.replicate > 1 \
         else init_device_mesh(device.type, (world_size,))
     keep = args.reshard_after_forward == "false"
     # Each Block becomes one unit of communication: its weights are gathered just before it
     # runs and freed right after, so only one block is ever whole at a time. Blocks first,
-    # then the root (which takes the rest: the input and output layers). The other order
-    # fails: "TypeError: Invariant encountered: value was None ...". Leaving the root out
-    # fails silently: the input and output layers stay plain tensors whose gradients nobody
-    # averages, and the ranks drift apart (input.weight 0.15 apart after 12 Adam steps on
-    # 2 ranks, measured on torch 2.13).
+    # then the root (the rest: input and output layers); the other order fails ("Invariant
+    # encountered: value was None"). Without the root, nobody averages the input and output
+    # layers' gradients: the ranks drift apart, silently (0.15 after 12 steps on 2 ranks).
     for block in model.blocks.values():
-        # The knob that trades memory for speed: reshard_after_forward=False (--reshard-after-
-        # forward false) keeps each block's gathered weights from its forward until its
-        # backward, one all-gather less per step, at the memory of the whole unsharded model.
+        # The knob that trades memory for speed (--reshard-after-forward false, ZeRO-2-like):
+        # keep the gathered weights from forward to backward, one all-gather less per step.
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not keep)
     # The whole model's output goes back to the weights' dtype, so the loss is computed in it.
     fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=dtype, output_dtype=dtype))
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
-    # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly
-    # the weights one device starts from; the call cuts it up and sends every rank its
-    # shards. (A model too big for rank 0's CPU memory would be initialized shard by shard
-    # instead, or loaded from a checkpoint.) Every rank must call it: it is a collective.
+    # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
+    # the call cuts it up and sends every rank its shards: a collective, every rank calls it.
+    # (A model too big for rank 0's memory would be initialized shard by shard, or loaded.)
     full = {}
     if rank == 0:
         seed_everything(args.seed)
         full = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-    # After fully_shard, never before: fully_shard replaces every parameter with a sharded
-    # DTensor, so an optimizer built earlier would hold the old tensors, which no longer get
-    # gradients. It would train nothing, silently (measured: the weights never move).
+    # After fully_shard, never before: it makes every parameter a sharded DTensor, and an
+    # optimizer built earlier would hold the old tensors, which get no gradients: silently,
+    # it would train nothing (measured: the weights never move).
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    # --- end FSDP ---
+    # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- FSDP: shard the data, as DDP does ---
     # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
     # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
-    # B/N samples per rank, optimizer step k therefore sees positions k*B .. k*B+B-1 of the
-    # permutation spread over the N ranks: exactly the batch one device with batch B sees at
-    # step k. Since FSDP averages the N per-rank mean gradients, the update is the same too.
-    # drop_last drops the tail the same way for any N that divides B.
+    # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
+    # over the N ranks: the batch one device with batch B sees at step k, and with the N
+    # per-rank mean gradients averaged, the same update. drop_last: the same tail for any N | B.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
-    # --- end FSDP ---
+    # --- end ---
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
@@ -383,28 +359,23 @@ def train(args, rank, world_size, device):
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
-            # --- FSDP: accumulate gradients without communicating ---
-            # FSDP has no no_sync(): this switch skips the reduce-scatter after backward and
-            # keeps the full (unsharded) gradients until the last micro-batch, which then
-            # reduce-scatters the accumulated sum in one go. It costs a full gradient's memory
-            # meanwhile; leave it on for every micro-batch to save that memory instead.
-            last = micro == args.accum_steps - 1
-            model.set_requires_gradient_sync(last)
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
+            # --- FSDP: accumulate gradients without communicating ---
+            # FSDP has no no_sync(): this switch skips the reduce-scatter, keeping whole gradients
+            # (their memory) until the last micro-batch reduce-scatters the sum.
+            last = micro == args.accum_steps - 1
+            model.set_requires_gradient_sync(last)
             with record_function("forward"):
                 loss = F.mse_loss(model(x), y) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
-            # --- end FSDP ---
+            # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            # --clip. Each rank holds 1/N of every gradient (a DTensor shard). On DTensors
-            # clip_grad_norm_ adds the shards' squared norms over the mesh, so it clips to
-            # the whole gradient's norm (and returns it as a DTensor: full_tensor() reads it).
-            # The same call on the local shards (p.grad.to_local(), as code copied from FSDP1
-            # does) measures about 1/sqrt(N) of the norm, another on every rank: each rank
-            # would clip by its own factor (pytorch/pytorch#170862).
+            # --clip. Each rank holds 1/N of every gradient (DTensor shards): clip_grad_norm_ adds
+            # their squares over the mesh (full_tensor() reads the norm). On p.grad.to_local(), as
+            # FSDP1-era code does, it gets ~1/sqrt(N) of it, per rank (pytorch/pytorch#170862).
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -435,98 +406,42 @@ def train(args, rank, world_size, device):
 
 
 def save_checkpoint(args, model, optimizer, rank, step):
-    """Everything needed to continue exactly where this run is, on any number of ranks.
-
-    torch.distributed.checkpoint (DCP) writes a folder in which every rank stores its own
-    shards, plus a file that says where each piece of each tensor lives; on load, every rank
-    reads the pieces it needs for its new slices, so a run saved on 2 ranks resumes on 1 or 3
-    (at the same --batch-size: the data position depends on seed, step and global batch only).
-
-    --checkpoint is a folder of such checkpoints, one subfolder per step, and a file `latest`
-    naming the complete one. A new step is written beside the old one and `latest` is switched
-    to it with one atomic os.replace only once it is complete: a crash at any moment leaves
-    `latest` naming a whole checkpoint. Then the old one is removed.
-    """
-    name = f"step_{step:08d}"
-    # Sharded state dicts: each rank's own slices, as DTensors, under the plain parameter
-    # names (no wrapper prefix), with the optimizer state keyed by those names too.
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state. DCP (torch.distributed.checkpoint) writes every rank's shards and
+    an index of where each piece lives; each rank of a later run, however many, reads the
+    pieces its own slices need."""
+    name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one (common.py)
+    # Sharded state dicts: this rank's slices (DTensors), keyed by the plain parameter names.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
              checkpoint_id=os.path.join(args.checkpoint, name))
-    if rank == 0:  # the rest is small and the same on every rank: one writer
-        with open(os.path.join(args.checkpoint, name, "train_state.json"), "w") as f:
-            json.dump({"step": step, "batch_size": args.batch_size, "seed": args.seed,
-                       "fp64": args.fp64,
-                       "hidden": args.hidden, "blocks": args.blocks}, f)
-        tmp = os.path.join(args.checkpoint, "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(args.checkpoint, "latest"))
-        for old in os.listdir(args.checkpoint):
-            if old.startswith("step_") and old != name:
-                shutil.rmtree(os.path.join(args.checkpoint, old))
-        print(f"checkpoint: step {step} -> {args.checkpoint}/{name}", flush=True)
+    if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
+        commit_sharded(args.checkpoint, name, {
+            "step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
+            "hidden": args.hidden, "blocks": args.blocks})
 
 
 def load_checkpoint(args, model, optimizer):
-    """Every rank resumes from --checkpoint if it holds one; return the step to start from.
-
-    A bad or mismatched checkpoint stops every rank with one line and is left as it is.
-    """
-    def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops every rank alike with one line, left as it was."""
+    def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
-    if not os.path.exists(args.checkpoint):
+    folder, state = latest_sharded(args.checkpoint, refuse)  # the step `latest` names
+    if folder is None:
         return 0
-    if not os.path.isdir(args.checkpoint):
-        refuse("is a file; fsdp.py keeps sharded checkpoints in a folder: point elsewhere")
-    latest = os.path.join(args.checkpoint, "latest")
-    if not os.path.exists(latest):
-        if os.listdir(args.checkpoint):
-            refuse("this folder holds no checkpoint of fsdp.py (no 'latest' file); "
-                   "point --checkpoint at a new or empty folder")
-        return 0
-    try:
-        with open(latest) as f:
-            folder = os.path.join(args.checkpoint, f.read().strip())
-        with open(os.path.join(folder, "train_state.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    if (meta["hidden"], meta["blocks"]) != (args.hidden, args.blocks):
-        refuse(f"saved with --hidden {meta['hidden']} --blocks {meta['blocks']}; "
-               "use the same model size")
-    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if meta[key] != getattr(args, key):
-            refuse(f"written with {flag} {meta[key]}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {meta[key]}")
-    if meta.get("fp64", False) != args.fp64:
-        # Loading would cast the weights and Adam's moments silently, and the run would go on
-        # in another precision than it started in.
-        refuse("written with --fp64; add --fp64 to continue it" if meta.get("fp64")
-               else "written without --fp64; drop --fp64 to continue it")
-    # Load into this rank's sharded state dicts: DCP reads the pieces of each saved tensor
-    # that this rank's slices need, however many ranks wrote them.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    try:
-        # Not dcp.load(state, checkpoint_id=folder): torch trusts a checkpoint folder and
-        # unpickles parts of it with plain pickle, so a folder someone handed you could run
-        # code. load_sharded (common.py) reads it as data only, and checks the index and the
-        # shards on every rank before the collective load begins.
-        load_sharded(state, folder)
-    except ValueError as e:  # found before any collective, the same on every rank
-        refuse(f"{e}; move it away or point elsewhere")
-    except (Exception, CheckpointException) as e:  # raised on every rank by the collective
-        # (CheckpointException derives from BaseException: `except Exception` misses it.)
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    print0(f"resumed from {folder} at step {meta['step']}")
-    return meta["step"]
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
+    shards = {"model": model_state, "optimizer": optimizer_state}
+    # dcp.load reads the pieces each slice needs, but unpickles parts of the folder: one handed
+    # to you could run code. load_sharded (common.py) reads data only, refusing a bad one.
+    load_sharded(shards, folder, refuse)
+    set_state_dict(model, optimizer, model_state_dict=shards["model"],
+                   optim_state_dict=shards["optimizer"])
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
 
 
 def run(args):
@@ -534,11 +449,9 @@ def run(args):
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
     if args.save:
-        # A plain state_dict of full tensors. model.state_dict() would hold DTensors (this
-        # rank's slices), which torch.load(weights_only=True) into a SimpleModel refuses.
-        # Gathering them is a collective: every rank calls it (.full_tensor() on rank 0 alone
-        # waits for the others until the timeout). cpu_offload: only rank 0 gets the tensors,
-        # in CPU memory, so no device ever holds the whole model.
+        # Full tensors (model.state_dict() would hold this rank's DTensor slices, which a
+        # SimpleModel refuses), gathered by a collective every rank calls; cpu_offload: only
+        # rank 0 gets them, in CPU memory, so no device ever holds the whole model.
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
         if rank == 0:

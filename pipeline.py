@@ -78,9 +78,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
-from common import eval_line, fail, log_line, make_dataset, num_params, positive, print0
-from common import compile_problem, machine_gpus, save_atomic, seed_everything
-from common import launch, leave, ranks, restart_store  # starting workers
+from common import check_resumable, eval_line, fail, log_line, make_dataset, num_params
+from common import compile_problem, positive, print0, save_atomic, seed_everything
+from common import launch, leave, machine_gpus, ranks, restart_store
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -296,7 +296,7 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
                 if rank < world_size - 1:
                     dist.send(x, dst=rank + 1)
                     continue  # only the last stage has outputs to score
-                # --- end pipeline parallelism ---
+                # --- end ---
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
             sums[0] += F.mse_loss(x, y.to(x.device), reduction="sum")
@@ -324,7 +324,7 @@ def train(args, rank, world_size, devices):
     if world_size == 1:
         # --- Model parallelism: every stage in this process, each on its device ---
         stages = [cut(model, i, len(devices)).to(d) for i, d in enumerate(devices)]
-        # --- end model parallelism ---
+        # --- end ---
     else:
         stages = [cut(model, rank, world_size).to(devices[0])]  # this rank's stage only
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
@@ -373,7 +373,7 @@ def train(args, rank, world_size, devices):
         schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
                                             loss_fn=F.mse_loss, scale_grads=True)
         is_first, is_last = rank == 0, rank == world_size - 1
-        # --- end pipeline parallelism ---
+        # --- end ---
     # Each stage's optimizer sees only its own parameters; together they are one Adam.
     optimizer = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=args.lr)
     start_step = 0
@@ -412,7 +412,7 @@ def train(args, rank, world_size, devices):
             with record_function("backward"):
                 loss.backward()  # autograd follows the .to() calls back across the devices
             loss = loss.detach()
-            # --- end model parallelism ---
+            # --- end ---
         else:
             # --- Pipeline parallelism: one call runs the whole schedule ---
             # The schedule cuts the batch into micro-batches, runs every forward and
@@ -427,7 +427,7 @@ def train(args, rank, world_size, devices):
             # Equal micro-batches: the mean of their losses is the whole batch's loss.
             loss = (torch.stack(losses).mean().detach() if is_last
                     else torch.zeros((), device=device, dtype=dtype))
-            # --- end pipeline parallelism ---
+            # --- end ---
         with record_function("optimizer step"):
             # --clip. A stage holds only its own parameters, so its norm is of a part of the
             # gradient: clip_grad_norm_ on it would clip every stage by its own factor. The
@@ -545,21 +545,11 @@ def load_checkpoint(args, model):
         # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        if "size mismatch" in str(e) or "Missing key" in str(e):
-            refuse("saved with another model size; use its --hidden and --blocks")
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    except Exception as e:  # truncated, not a torch file, not a dict...
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if state.get(key) != getattr(args, key):
-            refuse(f"written with {flag} {state.get(key)}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {state.get(key)}")
-    if state.get("fp64", False) != args.fp64:
-        # Loading would cast the weights and Adam's moments silently, and the run would go on
-        # in another precision than it started in.
-        refuse("written with --fp64; add --fp64 to continue it" if state.get("fp64")
-               else "written without --fp64; drop --fp64 to continue it")
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse("saved with another model size; use its --hidden and --blocks"
+               if "size mismatch" in str(e) or "Missing key" in str(e)
+               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
     return state
 
 

@@ -57,20 +57,17 @@ import argparse
 import datetime
 import functools
 import itertools
-import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
@@ -79,9 +76,10 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import fail, held_bytes, load_sharded, num_params, positive, print0, save_atomic
-from common import MLP_RATIO, compile_problem, machine_gpus, seed_everything
-from common import launch, leave, ranks, restart_store  # starting workers
+from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import MLP_RATIO, compile_problem, save_atomic, seed_everything
+from common import launch, leave, machine_gpus, most_workers, ranks, restart_store
+from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 
 
 def parse_args(argv=None):
@@ -116,7 +114,7 @@ def parse_args(argv=None):
                           help="drop each block's activations after forward and recompute "
                                "them in backward: less memory, about one more forward")
     hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL on GPUs (one per rank), gloo on CPUs")
+                          help="auto: NCCL where every rank has a GPU of its own, else gloo")
     hardware.add_argument("--tp", type=positive(int), default=None,
                           help="ranks in each tensor-parallel group (default: all of them, pure "
                                "TP); fewer: 2D, FSDP across the groups")
@@ -132,8 +130,7 @@ def parse_args(argv=None):
                         help="write a Chrome trace of steps 5-7 per rank into DIR "
                              "(torch.profiler; open in ui.perfetto.dev)")
     output.add_argument("--checkpoint", metavar="PATH",
-                        help="a folder: resume from it if it holds a checkpoint; write sharded "
-                             "model, optimizer and step there")
+                        help="a folder: resume from it if it holds one; write sharded state there")
     output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
                         help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
@@ -146,19 +143,16 @@ def parse_args(argv=None):
         parser.error(problem)
     gpus = machine_gpus() if use_cuda else 0
     # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
-    # CPU), or as many as divide the batch and each block's inner width: on 6 GPUs the
-    # defaults run on 4; --batch-size 96 --hidden 96 uses 6.
+    # CPU), or fewer where that many would not divide the batch (common.most_workers), nor
+    # each block's inner width, which TP cuts: on 6 GPUs --batch-size 96 --hidden 96 uses 6.
     world_size, local_world = ranks(
-        args, max((n for n in range(1, (gpus or 2) + 1)
-                   if args.batch_size % (n * args.accum_steps) == 0
-                   and MLP_RATIO * args.hidden % n == 0), default=1), gpus,
+        args, most_workers(gpus, args.batch_size, args.accum_steps, MLP_RATIO * args.hidden), gpus,
         f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
         f"{gpus * args.accum_steps} (and --hidden a multiple of {gpus}) to use all")
     if use_cuda and local_world > gpus:
-        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: TP's all-reduces of GPU
-        # tensors need NCCL, and NCCL one GPU per rank.
-        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): TP on GPUs "
-                     "needs one GPU per rank; use fewer ranks or --device cpu")
+        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: NCCL, one GPU per rank.
+        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
+                     "GPU per rank; use fewer ranks or --device cpu")
     args.tp = args.tp or world_size
     if world_size % args.tp:
         parser.error(f"--tp {args.tp} must divide the world size {world_size} (the ranks form "
@@ -175,8 +169,8 @@ def parse_args(argv=None):
                      f"block would wait on the network; use a --tp that divides {local_world}")
     carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
     if args.backend not in ("auto", carrier):
-        parser.error(f"--backend {args.backend}: TP here cuts {'GPU' if use_cuda else 'CPU'} "
-                     f"tensors, which only {carrier} carries; use --backend {carrier} (or auto)")
+        parser.error(f"--backend {args.backend}: {'GPU' if use_cuda else 'CPU'} tensors travel "
+                     f"over {carrier} only; use --backend {carrier} (or auto)")
     dp = world_size // args.tp  # TP groups: each trains on its own shard of every batch
     if args.batch_size % (dp * args.accum_steps):
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} TP "
@@ -202,7 +196,7 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
-        # cuda:8 does not exist. (A rank that sees only a GPU of its own has it as cuda:0.)
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
@@ -223,15 +217,11 @@ def setup(args):
 
 
 def evaluate(model, dataset, mesh, batch_size, device):
-    """The mean squared error over every sample of the held-out set, exactly, on every rank.
-
-    Every rank must call it: it ends in a collective. (Evaluating on rank 0 alone hangs as soon
-    as anything collective runs inside, pytorch/pytorch#54059.)
-    """
+    """The mean squared error over every sample of the held-out set, exactly. Every rank must
+    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- TP: evaluate a shard on each TP group, then add the sums up ---
-    # Every rank of a TP group works on the same samples: shard by the group ("dp"), not by
-    # the rank. (Where dp is 1, the one group sees every sample.)
+    # Every rank of a TP group works on the same samples: shard by group ("dp"), not by rank.
     rank, world_size = mesh.get_local_rank("dp"), mesh["dp"].size()
     # Without drop_last, DistributedSampler pads every rank's shard to the same length with
     # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
@@ -244,10 +234,9 @@ def evaluate(model, dataset, mesh, batch_size, device):
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # Every forward is a collective (each block all-reduces in its TP group, and in 2D
-            # all-gathers its FSDP shards), so every rank must run the same number of
-            # forwards: the padding keeps the batch counts equal, and a group whose real
-            # samples have run out forwards an empty batch (x[:0]) rather than skipping it.
+            # Every forward of a sharded model is a collective (FSDP's blocks all-gather weights,
+            # TP's all-reduce outputs), so all ranks run as many: the padding keeps the counts
+            # equal, and a rank out of real samples forwards an empty batch, x[:0].
             sums[0] += F.mse_loss(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
@@ -255,18 +244,18 @@ def evaluate(model, dataset, mesh, batch_size, device):
     # ranks (pytorch/pytorch#25162). Over the "dp" dimension only: the T ranks of a group
     # hold the same sums, and adding them all up would count every sample T times.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=mesh.get_group("dp"))
-    if world_size > 1:
-        # 2D: the FSDP root keeps its gathered weights after forward, expecting backward to
-        # need them soon; after evaluation no backward comes, so hand the memory back.
-        model.reshard()
-    # --- end TP ---
+    # 2D: FSDP's root keeps its gathered weights after forward, expecting backward to need
+    # them soon; after evaluation no backward comes, so hand the memory back.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    # --- end ---
     model.train()
     return (sums[0] / sums[1]).item()
 
 
-def parallelize(model, mesh, args):
-    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D).
-    Between the two: --activation-checkpointing and --compile, per block."""
+def parallelize(model, mesh):
+    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D)."""
     # --- TP: cut each block's matrices over the TP group ---
     # ColwiseParallel makes up.weight (out x in) a DTensor sharded by rows of the weight,
     # i.e. by output column of x @ W.T: Shard(0), 1/T of the inner units per rank, bias too.
@@ -280,30 +269,10 @@ def parallelize(model, mesh, args):
     for block in model.blocks.values():
         parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
                                                "down": RowwiseParallel()})
-    # --- Activation checkpointing and compiling: per block, after TP, before fully_shard ---
-    for block in model.blocks.values():
-        if args.compile:
-            # The block's forward, compiled (inductor). The module stays, and with it the
-            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
-            # Before checkpointing wraps it (measured: 1 graph either way round, but 0 when the
-            # whole module is compiled after its forward was patched: docs/compile.md).
-            # Inside, backward's recomputation runs the compiled code again. The first step
-            # pays the compile time (the summary's "first step").
-            # After parallelize_module, so it compiles the TP block with its all-reduces;
-            # before fully_shard, so FSDP's collectives stay outside (torchtitan's order).
-            block.forward = torch.compile(block.forward)
-        if args.activation_checkpointing:
-            # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant,
-            # the current implementation. It wraps the forward, not the module, so parameter
-            # names stay SimpleModel's and checkpoints and --save load with or without it.
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
-    # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each
-    # rank holds 1/(D*T) of a block). The other order fails: fully_shard has already made
-    # every parameter a DTensor on "dp", and parallelize_module stops with "ValueError: Cannot
+    # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each rank
+    # holds 1/(D*T) of a block). The other order fails: fully_shard has already made every
+    # parameter a DTensor on "dp", and parallelize_module stops with "ValueError: Cannot
     # distribute a DTensor with device mesh DeviceMesh((dp=2), ...) to a different device
     # mesh". Blocks, then the root, as in fsdp.py.
     if mesh["dp"].size() > 1:
@@ -314,8 +283,7 @@ def parallelize(model, mesh, args):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the sharded model, the final loss (averaged over all ranks) and the
-    final validation loss."""
+    """Train; return the sharded model, the final loss (the ranks' mean) and val loss."""
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
@@ -327,45 +295,65 @@ def train(args, rank, world_size, device):
     # device costs nothing to build here.
     with torch.device("meta"):
         model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype)
+    # --- Activation checkpointing and compiling: per block, before TP and fully_shard ---
+    for block in model.blocks.values():
+        if args.compile:
+            # The block's forward, compiled (inductor). The module stays, and with it the
+            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
+            # Before checkpointing wraps it (measured: 1 graph either way round, but 0 when the
+            # whole module is compiled after its forward was patched: docs/compile.md).
+            # Inside, backward's recomputation runs the compiled code again. The first
+            # step pays the compile time (the summary's "first step").
+            # Before fully_shard, so FSDP's all-gathers and reduce-scatters stay outside it
+            # (torchtitan's order). TP's all-reduces are hooks on `up` and `down`, which this
+            # forward calls: they run inside it, as when compiling after TP.
+            block.forward = torch.compile(block.forward)
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
+            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the current implementation. It wraps the forward, not the module, so parameter
+            # names stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    # --- end ---
     # The ranks as a grid with named dimensions: W/T rows ("dp") of T ranks ("tp"), row-major,
     # so a TP group is T consecutive ranks, which torchrun places on one machine. On the
     # device the tensors live on: without it, the mesh would go to the machine's accelerator,
     # whatever --device says.
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh, args)
+    parallelize(model, mesh)
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
-    # Rank 0 builds the real model on the CPU, from --seed, so training starts from exactly
-    # the weights one device starts from; the call cuts it up and sends every rank its
-    # pieces. (A model too big for rank 0's CPU memory would be initialized shard by shard
-    # instead, or loaded from a checkpoint.) Every rank must call it: it is a collective.
+    # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
+    # the call cuts it up and sends every rank its shards: a collective, every rank calls it.
+    # (A model too big for rank 0's memory would be initialized shard by shard, or loaded.)
     full = {}
     if rank == 0:
         seed_everything(args.seed)
         full = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-    # After parallelize, never before: it replaces the blocks' parameters with DTensors, so an
-    # optimizer built earlier would hold the old tensors, which no longer get gradients.
+    # After parallelize, never before: it replaces each block's parameters with a sharded
+    # DTensor, so an optimizer built earlier would hold the old tensors, which no longer get
+    # gradients. The blocks would train nothing, silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    # --- end TP ---
+    # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- TP: shard the data by TP group, not by rank ---
     # Every rank of a TP group must see the same micro-batch: each computes its slice of the
-    # inner units of the same samples, and the all-reduce adds those slices up. Fed by rank
-    # instead, each rank would compute its slice for other samples, and the all-reduce would
-    # add up pieces of different samples: wrong numbers, silently (tests/test_tp.py measures
-    # it). So DistributedSampler deals the batch over the D = W/T groups ("dp"), exactly as DDP
-    # deals it over ranks: step k's B samples spread over the D groups, B/D each.
+    # inner units of the same samples, and the all-reduce adds the slices up. Fed by rank, the
+    # ranks would compute slices of different samples, and the all-reduce would add those up:
+    # wrong numbers, silently (tests/test_tp.py measures it). So DistributedSampler deals the
+    # batch over the D = W/T groups ("dp"), B/D samples each, as DDP deals it over ranks.
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     micro_batch = args.batch_size // (dp * args.accum_steps)
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
-    # --- end TP ---
+    # --- end ---
     steps_per_epoch = len(loader) // args.accum_steps
 
     meter = Meter(device)
@@ -382,20 +370,19 @@ def train(args, rank, world_size, device):
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
             # --- TP: accumulate gradients ---
-            # TP's own all-reduces carry activations, and every micro-batch needs them. Only
-            # 2D has gradients to synchronize (FSDP's, across the groups): skip that until
-            # the last micro-batch, as fsdp.py does.
+            # TP's all-reduces carry activations, needed by every micro-batch. Only 2D has
+            # gradients to synchronize (FSDP's, across the groups): skip that until the last.
             last = micro == args.accum_steps - 1
             if dp > 1:
                 model.set_requires_gradient_sync(last)
-            # Divided by K so that K micro-batch gradients add up to the mean over the
-            # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"):
                 loss = F.mse_loss(model(x), y) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
-            # --- end TP ---
+            # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
             # --clip: to the norm of the whole gradient, sharded and whole pieces together
@@ -450,98 +437,42 @@ def clip_grad_norm(parameters, max_norm):
 
 
 def save_checkpoint(args, model, optimizer, rank, step):
-    """Everything needed to continue exactly where this run is, on any number of ranks.
-
-    torch.distributed.checkpoint (DCP) writes a folder in which every rank stores its own
-    shards, plus a file that says where each piece of each tensor lives; on load, every rank
-    reads the pieces it needs for its new slices, so a run saved on 2 ranks resumes on 1 or 3
-    (at the same --batch-size: the data position depends on seed, step and global batch only).
-
-    --checkpoint is a folder of such checkpoints, one subfolder per step, and a file `latest`
-    naming the complete one. A new step is written beside the old one and `latest` is switched
-    to it with one atomic os.replace only once it is complete: a crash at any moment leaves
-    `latest` naming a whole checkpoint. Then the old one is removed.
-    """
-    name = f"step_{step:08d}"
-    # Sharded state dicts: each rank's own slices, as DTensors, under the plain parameter
-    # names (no wrapper prefix), with the optimizer state keyed by those names too.
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state. DCP (torch.distributed.checkpoint) writes every rank's shards and
+    an index of where each piece lives; each rank of a later run, however many, reads the
+    pieces its own slices need."""
+    name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one (common.py)
+    # Sharded state dicts: this rank's slices (DTensors), keyed by the plain parameter names.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
              checkpoint_id=os.path.join(args.checkpoint, name))
-    if rank == 0:  # the rest is small and the same on every rank: one writer
-        with open(os.path.join(args.checkpoint, name, "train_state.json"), "w") as f:
-            json.dump({"step": step, "batch_size": args.batch_size, "seed": args.seed,
-                       "fp64": args.fp64,
-                       "hidden": args.hidden, "blocks": args.blocks}, f)
-        tmp = os.path.join(args.checkpoint, "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(args.checkpoint, "latest"))
-        for old in os.listdir(args.checkpoint):
-            if old.startswith("step_") and old != name:
-                shutil.rmtree(os.path.join(args.checkpoint, old))
-        print(f"checkpoint: step {step} -> {args.checkpoint}/{name}", flush=True)
+    if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
+        commit_sharded(args.checkpoint, name, {
+            "step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
+            "hidden": args.hidden, "blocks": args.blocks})
 
 
 def load_checkpoint(args, model, optimizer):
-    """Every rank resumes from --checkpoint if it holds one; return the step to start from.
-
-    A bad or mismatched checkpoint stops every rank with one line and is left as it is.
-    """
-    def refuse(why):  # the same on every rank, before any collective: nothing waits or hangs
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops every rank alike with one line, left as it was."""
+    def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
-    if not os.path.exists(args.checkpoint):
+    folder, state = latest_sharded(args.checkpoint, refuse)  # the step `latest` names
+    if folder is None:
         return 0
-    if not os.path.isdir(args.checkpoint):
-        refuse("is a file; tp.py keeps sharded checkpoints in a folder: point elsewhere")
-    latest = os.path.join(args.checkpoint, "latest")
-    if not os.path.exists(latest):
-        if os.listdir(args.checkpoint):
-            refuse("this folder holds no checkpoint of tp.py or fsdp.py (no 'latest' file); "
-                   "point --checkpoint at a new or empty folder")
-        return 0
-    try:
-        with open(latest) as f:
-            folder = os.path.join(args.checkpoint, f.read().strip())
-        with open(os.path.join(folder, "train_state.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    if (meta["hidden"], meta["blocks"]) != (args.hidden, args.blocks):
-        refuse(f"saved with --hidden {meta['hidden']} --blocks {meta['blocks']}; "
-               "use the same model size")
-    for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
-        if meta[key] != getattr(args, key):
-            refuse(f"written with {flag} {meta[key]}, not {getattr(args, key)}: the data "
-                   f"order would not continue; use {flag} {meta[key]}")
-    if meta.get("fp64", False) != args.fp64:
-        # Loading would cast the weights and Adam's moments silently, and the run would go on
-        # in another precision than it started in.
-        refuse("written with --fp64; add --fp64 to continue it" if meta.get("fp64")
-               else "written without --fp64; drop --fp64 to continue it")
-    # Load into this rank's sharded state dicts: DCP reads the pieces of each saved tensor
-    # that this rank's slices need, however many ranks wrote them.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    try:
-        # Not dcp.load(state, checkpoint_id=folder): torch trusts a checkpoint folder and
-        # unpickles parts of it with plain pickle, so a folder someone handed you could run
-        # code. load_sharded (common.py) reads it as data only, and checks the index and the
-        # shards on every rank before the collective load begins.
-        load_sharded(state, folder)
-    except ValueError as e:  # found before any collective, the same on every rank
-        refuse(f"{e}; move it away or point elsewhere")
-    except (Exception, CheckpointException) as e:  # raised on every rank by the collective
-        # (CheckpointException derives from BaseException: `except Exception` misses it.)
-        refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    print0(f"resumed from {folder} at step {meta['step']}")
-    return meta["step"]
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
+    shards = {"model": model_state, "optimizer": optimizer_state}
+    # dcp.load reads the pieces each slice needs, but unpickles parts of the folder: one handed
+    # to you could run code. load_sharded (common.py) reads data only, refusing a bad one.
+    load_sharded(shards, folder, refuse)
+    set_state_dict(model, optimizer, model_state_dict=shards["model"],
+                   optim_state_dict=shards["optimizer"])
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
 
 
 def run(args):
@@ -549,11 +480,9 @@ def run(args):
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
     if args.save:
-        # A plain state_dict of full tensors. model.state_dict() would hold DTensors (this
-        # rank's pieces), which torch.load(weights_only=True) into a SimpleModel refuses.
-        # Gathering them is a collective: every rank calls it (.full_tensor() on rank 0 alone
-        # waits for the others until the timeout). cpu_offload: only rank 0 gets the tensors,
-        # in CPU memory, so no device ever holds the whole model.
+        # Full tensors (model.state_dict() would hold this rank's DTensor slices, which a
+        # SimpleModel refuses), gathered by a collective every rank calls; cpu_offload: only
+        # rank 0 gets them, in CPU memory, so no device ever holds the whole model.
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
         if rank == 0:

@@ -151,7 +151,7 @@ def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(t
     args = amp.parse_args([*JOB_FLAGS, "--dtype=fp16", f"--checkpoint={ckpt}"])
     model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
     with pytest.raises(SystemExit, match="written with --dtype bf16, not fp16; use --dtype bf16"):
-        amp.load_checkpoint(args, model)
+        amp.load_checkpoint(args, model, None, None)
     assert ckpt.read_bytes() == before
 
 

@@ -1,6 +1,8 @@
 """The README and docs/ link only to files that exist, every picture and page, and name only
-flags the scripts have."""
+flags the scripts have; the diffs the README recommends stay the size it says."""
 
+import ast
+import difflib
 import re
 
 import pytest
@@ -56,3 +58,34 @@ def test_the_flags_check_sees_a_flag_a_script_does_not_have():
                                     "torchrun --nproc_per_node=2 fsdp.py --replicate 2\n```\n")
     assert named == {("ddp", "--zero1"), ("ddp", "--zero2"), ("fsdp", "--replicate")}
     assert "--zero2" not in flags_of("ddp") and "--zero1" in flags_of("ddp")
+
+
+# The diffs the README's "Read the code" recommends, and the most changed lines each may have:
+# past its limit, a diff shows more than its technique (None: no limit, the table only).
+DIFF_LIMITS = {("single", "dataparallel"): None, ("single", "amp"): 100, ("single", "ddp"): 200,
+               ("ddp", "fsdp"): 230, ("fsdp", "tp"): 230, ("ddp", "pipeline"): None}
+
+
+def changed_lines(before, after):
+    """Lines that `diff -u before after` adds or removes, the module docstrings left out."""
+    def body(text):
+        docstring = ast.parse(text).body[0]
+        return text.splitlines()[docstring.end_lineno:]
+    diff = difflib.unified_diff(body(before), body(after), lineterm="", n=0)
+    return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def test_changed_lines_counts_what_a_diff_adds_and_removes_outside_the_docstring():
+    script = '"""Docstring."""\n\nimport os\n\nx = 1\n'
+    assert changed_lines(script, script.replace("Docstring", "Another docstring")) == 0
+    assert changed_lines(script, script.replace("x = 1", "x = 2\ny = 3")) == 3
+
+
+def test_each_recommended_diff_stays_within_its_limit_and_the_readme_shows_its_size():
+    table = {(a, b): int(n) for a, b, n in re.findall(
+        r"^\| `diff (\w+)\.py (\w+)\.py` \|.*\| (\d+) \|$", (REPO / "README.md").read_text(), re.M)}
+    assert set(table) == set(DIFF_LIMITS), "README's table of diffs lists other diffs"
+    for (a, b), limit in DIFF_LIMITS.items():
+        n = changed_lines((REPO / f"{a}.py").read_text(), (REPO / f"{b}.py").read_text())
+        assert table[a, b] == n, f"README says diff {a}.py {b}.py changes {table[a, b]} lines: {n}"
+        assert limit is None or n <= limit, f"diff {a}.py {b}.py: {n} changed lines, over {limit}"

@@ -144,8 +144,8 @@ def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(r
 
 @pytest.mark.parametrize("content, message", [
     ("garbage latest", "cannot be read (FileNotFoundError)"),
-    ("not a folder", "is a file; fsdp.py keeps sharded checkpoints in a folder"),
-    ("other files", "holds no checkpoint of fsdp.py"),
+    ("not a folder", "is a file; fsdp.py and tp.py keep sharded checkpoints in a folder"),
+    ("other files", "holds no checkpoint of fsdp.py or tp.py"),
     ("other size", "saved with --hidden 16 --blocks 3; use the same model size"),
     ("other batch", "written with --batch-size 60, not 64"),
     ("other precision", "written with --fp64; add --fp64 to continue it"),
@@ -244,8 +244,11 @@ def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_noth
     marker = tmp_path / "ran"
     copy = damage(runs["torchrun 2 ranks"][1].parent / "ckpt", case, tmp_path / "c", marker)
     before = files(copy)
+    def refuse(why):
+        raise ValueError(why)
+
     with pytest.raises(ValueError, match=re.escape(DAMAGED[case])):
-        common.load_sharded({}, copy / (copy / "latest").read_text())
+        common.load_sharded({}, copy / (copy / "latest").read_text(), refuse)
     assert not marker.exists() and files(copy) == before
 
 
@@ -289,9 +292,9 @@ def test_damaged_or_hostile_checkpoint_stops_every_rank_in_one_line_on_both_laun
 
 @pytest.mark.parametrize("flags, message", [
     (["--batch-size=64"], "--batch-size 64 must be divisible by world size 3"),
-    (["--backend=nccl", "--device=cpu"], "shards CPU tensors, which only gloo carries"),
+    (["--backend=nccl", "--device=cpu"], "CPU tensors travel over gloo only"),
     (["--batch-size=60", "--fp64", "--mixed-precision=bf16"],
-     "--fp64 with --mixed-precision bf16: one asks for more precision"),
+     "--fp64 with --mixed-precision bf16: drop one of them"),
 ])
 def test_bad_flags_are_refused_in_one_line(flags, message, as_torchrun, capsys):
     as_torchrun(3)

@@ -3,7 +3,6 @@ trains to the same weights as one device; its checkpoints resume on another mesh
 holds its share; one TP forward and backward make exactly the theory's collectives; a TP group
 fed different data on its ranks would be caught."""
 
-import argparse
 import re
 import shutil
 
@@ -90,7 +89,6 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
                                                                     abs=1e-3), name
 
 
-PLAIN = argparse.Namespace(activation_checkpointing=False, compile=False)  # tp.py's defaults
 
 
 @pytest.fixture
@@ -112,7 +110,7 @@ def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, fake
     import tp as tp_script
     mesh = fake_group(dp, tp)
     with torch.device("meta"):
-        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2), mesh, PLAIN)
+        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2), mesh)
     for name, p in model.named_parameters():
         share = p.to_local().numel() / p.numel() if hasattr(p, "to_local") else 1
         if ".up." in name or name.endswith("down.weight"):
@@ -127,7 +125,7 @@ def test_one_forward_and_backward_make_two_all_reduces_per_block(fake_group):
     from torch.distributed.tensor.debug import CommDebugMode
     import tp as tp_script
     blocks = 3
-    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks), fake_group(1, 2), PLAIN)
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks), fake_group(1, 2))
     x = torch.randn(8, 32, requires_grad=True)
     with CommDebugMode() as comm:
         out = model(x)

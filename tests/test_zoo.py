@@ -35,10 +35,6 @@ MISTAKES = {
         "seed=args.seed + rank, drop_last=True)")]),
     "no_sync around backward only": ("ddp.py", [(
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
-        "                # Divided by K so that K micro-batch gradients add up to the mean "
-        "over the\n"
-        "                # whole batch, not K times it (which would act like a K times "
-        "larger lr).\n"
         "                with record_function(\"forward\"):\n"
         "                    loss = F.mse_loss(ddp_model(x), y) / args.accum_steps\n"
         "                with record_function(\"backward\"):\n",
@@ -51,12 +47,12 @@ MISTAKES = {
         "  # the padded duplicates: left out\n",
         "            x, y = x.to(device), y.to(device)\n"), (
         "    dist.all_reduce(sums, op=dist.ReduceOp.SUM)\n"
-        "    # --- end DDP ---\n"
+        "    # --- end ---\n"
         "    model.train()\n"
         "    return (sums[0] / sums[1]).item()\n",
         "    mean = sums[0] / sums[1]\n"
         "    dist.all_reduce(mean, op=dist.ReduceOp.AVG)\n"
-        "    # --- end DDP ---\n"
+        "    # --- end ---\n"
         "    model.train()\n"
         "    return mean.item()\n")]),
     "DDP wrapper's state_dict saved": ("ddp.py", [(
@@ -72,8 +68,8 @@ MISTAKES = {
         "shuffle=True,")]),
     "optimizer built before fully_shard": ("fsdp.py", [(
         "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
-        "    # --- end FSDP ---\n",
-        "    # --- end FSDP ---\n"), (
+        "    # --- end ---\n",
+        "    # --- end ---\n"), (
         "    for block in model.blocks.values():\n"
         "        # The knob that trades memory for speed",
         "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
