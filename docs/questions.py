@@ -50,6 +50,23 @@ def say(rank, *args):
 
 # --- BatchNorm across ranks ---
 
+class AllReduceSum(torch.autograd.Function):
+    """The sum over the ranks, differentiable: each rank's input feeds every rank's output, so
+    backward sums the ranks' gradients the same way (what SyncBatchNorm's backward does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
 class GlobalBatchNorm(nn.BatchNorm1d):
     """What SyncBatchNorm does, written out: in training, the statistics of the whole global
     batch (sums all-reduced over the ranks, differentiably: backward all-reduces too). (The real
@@ -59,9 +76,8 @@ class GlobalBatchNorm(nn.BatchNorm1d):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        from torch.distributed.nn.functional import all_reduce
         f = x.shape[1]
-        sums = all_reduce(torch.cat([x.sum(0), (x * x).sum(0), x.new_tensor([len(x)])]))
+        sums = AllReduceSum.apply(torch.cat([x.sum(0), (x * x).sum(0), x.new_tensor([len(x)])]))
         mean, n = sums[:f] / sums[-1], sums[-1]
         var = sums[f:2 * f] / n - mean * mean
         with torch.no_grad():
