@@ -1,11 +1,13 @@
 """What every script in this collection shares and none of them teaches.
 
 The model, the data, seeding, and the log lines; the plumbing around them (flag checks, how
-many GPUs a machine's ranks have, the one-line error, atomic saves, the sharded-checkpoint
-loader that reads data and never code, the timer and the profiler); and the diagnostics
-(`python common.py`). Nothing here knows about DataParallel, DDP, mixed precision or
-pipelines: the technique lives in its own script, in plain sight. Importing this file does
-nothing but define things.
+many GPUs a machine's ranks have, how a process becomes a rank and leaves the group, the
+one-line error, atomic saves, the checks that a checkpoint belongs to this run, the sharded
+checkpoint's folder and a loader for it that reads data and never code, the timer, the state
+count and the profiler); and the diagnostics (`python common.py`). Nothing here teaches
+DataParallel, DDP, mixed precision, sharding or pipelines: the technique lives in its own
+script, in plain sight, and each script's diff against the one before shows it. Importing this
+file does nothing but define things.
 """
 
 import argparse
