@@ -22,7 +22,7 @@ Launch
     python single.py --fp64 --save one.pt
     Smallest hardware: any CPU.
 
-Read next (each diff shows its technique; single -> ddp also how its workers start)
+Read next (each diff shows its technique; the README says how many lines each changes)
     diff single.py dataparallel.py   # several GPUs from one process
     diff single.py amp.py            # mixed precision
     diff single.py ddp.py            # one process per device: data parallelism
