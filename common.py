@@ -206,10 +206,11 @@ def ranks(args, default, gpus, to_use_all):
     return args.nproc, args.nproc
 
 
-def restart_store(world_size, timeout_s):
-    """The store init_process_group should use: None (its own, from MASTER_ADDR/PORT), or under
-    torchrun keys of their own for every restart attempt. Without the prefix a restarted gloo
-    group reads the dead attempt's addresses and hangs or fails (docs/traps.md#restarts)."""
+def launcher_store(world_size, timeout_s):
+    """The store init_process_group should use: None (its own: rank 0 hosts it at MASTER_PORT,
+    as srun's ranks do), or the launcher's (torchrun's agent, or launch() below), with keys of
+    their own for every restart attempt. Without the prefix a restarted gloo group reads the
+    dead attempt's addresses and hangs or fails (docs/traps.md#restarts)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return dist.PrefixStore(
@@ -234,8 +235,9 @@ def leave():
 def free_port():
     """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one).
 
-    Another program could take it before rank 0 binds it again; rare, and then the run fails
-    at once with "address already in use" rather than hanging.
+    Another program could take it before whoever needs it binds it; then that fails at once
+    with "address already in use" rather than hanging. (launch() does not use it: its store
+    binds a port and holds it.)
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -252,7 +254,9 @@ def spawned(local_rank, run, args, port):
         torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      LOCAL_WORLD_SIZE=str(args.nproc))
+                      LOCAL_WORLD_SIZE=str(args.nproc),
+                      # The store is the launcher's, as under torchrun: launcher_store() joins it.
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     run(args)
 
 
@@ -262,10 +266,14 @@ def launch(run, args):
     if "RANK" in os.environ:
         run(args)  # torchrun started one process per rank; this is one of them
         return
+    # The rendezvous store, hosted here as torchrun's agent hosts its own: on a port the OS
+    # picks and this process holds, so nothing can take it before the workers connect (a port
+    # only found free, then bound by rank 0 seconds later, can be: "address already in use").
+    store = dist.TCPStore("127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False)
     # mp.spawn passes each worker its index, waits for all, and if one fails it terminates
     # the others and raises here.
     try:
-        mp.spawn(spawned, args=(run, args, free_port()), nprocs=args.nproc)
+        mp.spawn(spawned, args=(run, args, store.port), nprocs=args.nproc)
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         # A worker that stopped with a message of its own (a bad --checkpoint, say) has
         # printed it already and exited 1: end with its exit status, not with spawn's

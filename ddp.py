@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, held_bytes, num_params, positive, print0
 from common import compile_problem, save_atomic, seed_everything
-from common import launch, leave, machine_gpus, most_workers, ranks, restart_store
+from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
 
 
 def parse_args(argv=None):
@@ -185,7 +185,7 @@ def setup(args):
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if use_cuda and local_world <= machine_gpus() else "gloo"
-    store = restart_store(world_size, args.timeout)  # torchrun's restarts: common.py
+    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),

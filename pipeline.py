@@ -80,7 +80,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
 from common import check_resumable, eval_line, fail, log_line, make_dataset, num_params
 from common import compile_problem, positive, print0, save_atomic, seed_everything
-from common import launch, leave, machine_gpus, ranks, restart_store
+from common import launch, launcher_store, leave, machine_gpus, ranks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -222,7 +222,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"  # the tensors the stages send live on `device`
-    store = restart_store(world_size, args.timeout)  # torchrun's restarts: common.py
+    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),

@@ -78,7 +78,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, held_bytes, num_params, positive, print0
 from common import MLP_RATIO, compile_problem, save_atomic, seed_everything
-from common import launch, leave, machine_gpus, most_workers, ranks, restart_store
+from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 
 
@@ -206,7 +206,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"  # parse_args checked: one GPU per rank
-    store = restart_store(world_size, args.timeout)  # torchrun's restarts: common.py
+    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
