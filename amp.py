@@ -42,13 +42,12 @@ import itertools
 import os
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import compile_problem, save_atomic, seed_everything
 
 
@@ -74,7 +73,9 @@ def parse_args(argv=None):
                        help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
@@ -103,6 +104,9 @@ def parse_args(argv=None):
     problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
     if problem:
         parser.error(problem)
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
+                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
@@ -162,10 +166,10 @@ def optimizer_step(model, optimizer, scaler, clip):
 
 
 def evaluate(model, dataset, batch_size, device, amp_dtype):
-    """The mean squared error over every sample of the held-out set, under autocast."""
+    """The mean cross-entropy per token over the whole held-out set, under autocast."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     # AMP: evaluate in the type you train in, so the number describes the model as it runs in
     # training, 16-bit rounding included (no GradScaler: there is no backward).
     autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
@@ -174,7 +178,7 @@ def evaluate(model, dataset, batch_size, device, amp_dtype):
             x, y = x.to(device), y.to(device)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
-            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
     model.train()
     return (sums[0] / sums[1]).item()
@@ -189,7 +193,7 @@ def train(args, device):
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device, dtype)
+    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
     for block in model.blocks.values():
         if args.compile:
@@ -202,8 +206,9 @@ def train(args, device):
             block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
+            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
+            # docs/performance.md), at about one more forward's compute. Non-reentrant,
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -255,7 +260,7 @@ def train(args, device):
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"), autocast:
-                loss = F.mse_loss(model(x), y) / args.accum_steps
+                loss = loss_fn(model(x), y) / args.accum_steps
             # scale(loss) multiplies by the current scale (fp16) or returns loss unchanged.
             with record_function("backward"):
                 scaler.scale(loss).backward()
@@ -280,7 +285,7 @@ def train(args, device):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, scaler, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
@@ -293,7 +298,7 @@ def save_checkpoint(args, model, optimizer, scaler, step):
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scaler": scaler.state_dict(), "dtype": args.dtype,
                  "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64},
+                 "fp64": args.fp64, "heads": args.heads},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 

@@ -29,84 +29,150 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-IN_FEATURES = 32
-OUT_FEATURES = 8
-DATASET_SIZE = 4096
-VAL_SIZE = 1000
+VOCAB = 32  # token ids 0..31
+SEQ_LEN = 16  # tokens a sequence feeds the model; it is scored on the next token at each
+PERIOD = SEQ_LEN // 2  # a sequence is PERIOD random tokens, repeated (see make_dataset)
+DATASET_SIZE = 4096  # training sequences
+VAL_SIZE = 1000  # held-out sequences
 MLP_RATIO = 4  # a block's inner width, in multiples of its hidden width
 DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed moves init and order
 
 
-class Block(nn.Module):
-    """A transformer's feed-forward block: x + down(relu(up(x))).
+class Attention(nn.Module):
+    """Causal multi-head self-attention: q, k, v projections, attention within each head, and
+    the output projection `o` that mixes the heads back into the hidden width.
 
-    `up` widens hidden to an inner width (4x, as transformers do), `down` narrows it back, and
-    the residual connection lets deep stacks train. The up/down pair is what tensor parallelism
-    cuts (tp.py): `up` by columns, so each rank computes a slice of the inner units with no
-    communication, and `down` by rows, so each rank adds a partial sum: one all-reduce per
-    block in forward and one in backward.
+    q, k and v are separate layers (not one fused qkv layer) so that tensor parallelism can cut
+    each by columns and every rank gets whole heads of all three (tp.py).
     """
 
-    def __init__(self, hidden):
+    def __init__(self, hidden, heads):
         super().__init__()
+        # How many heads this module's q, k, v outputs hold: `heads` of hidden // heads
+        # numbers each. tp.py lowers it to the heads one rank holds after cutting q, k and v.
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.o = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        # (batch, seq, width) -> (batch, heads, seq, width // heads): attention runs per head.
+        q, k, v = (proj(x).view(batch, seq, self.heads, -1).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        # is_causal: token t attends to tokens 0..t only, so it cannot read the token it is
+        # asked to predict. PyTorch picks the kernel (flash, memory-efficient, or plain math).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: x + attn(norm(x)), then x + down(relu(up(norm(x)))).
+
+    Attention mixes information across positions; the feed-forward pair `up` (hidden -> 4 x
+    hidden) and `down` (back) works on each position alone. The norms come before each part
+    (pre-norm, as GPT-2 and Llama do) and the residual connections let deep stacks train.
+    The parts tensor parallelism cuts (tp.py): q, k, v and `up` by columns, `o` and `down` by
+    rows: each rank computes whole heads and a slice of the inner units with no communication,
+    and adds a partial sum after `o` and after `down`: two all-reduces per block in forward
+    and two in backward.
+    """
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.mlp_norm = nn.LayerNorm(hidden)
         self.up = nn.Linear(hidden, MLP_RATIO * hidden)
         self.down = nn.Linear(MLP_RATIO * hidden, hidden)
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.down(torch.relu(self.up(self.mlp_norm(x))))
 
 
 class SimpleModel(nn.Module):
-    """input Linear -> `blocks` x Block (hidden -> 4 x hidden -> hidden) -> output Linear.
+    """A small causal language model: tokens -> embedding + position embedding -> `blocks` x
+    Block -> final LayerNorm -> `output` (logits over the vocabulary at every position).
 
-    No BatchNorm and no dropout on purpose: BatchNorm statistics are per replica and dropout
-    masks are per RNG stream, so both make parallel strategies differ from one device for
-    reasons that have nothing to do with the strategy.
+    GPT-2's shape in miniature (about 0.2 M parameters at the defaults). No dropout on purpose:
+    its masks come from each process's own random stream, so it makes parallel strategies
+    differ from one device for a reason that has nothing to do with the strategy (and a model
+    this small on this much data does not need it). LayerNorm normalizes each token on its own,
+    so unlike BatchNorm it does not depend on which samples share a rank.
 
     The blocks live in a ModuleDict keyed "0", "1", ... so that a pipeline stage can delete the
-    blocks it does not own (and set `input` or `output` to None) and keep the full model's
-    parameter names: a stage's state_dict is then a slice of the full one.
+    blocks it does not own (and set the embeddings or the head to None) and keep the full
+    model's parameter names: a stage's state_dict is then a slice of the full one.
     """
 
-    def __init__(self, hidden=64, blocks=4):
+    def __init__(self, hidden=64, blocks=4, heads=4):
         super().__init__()
-        self.input = nn.Linear(IN_FEATURES, hidden)
-        self.blocks = nn.ModuleDict({str(i): Block(hidden) for i in range(blocks)})
-        self.output = nn.Linear(hidden, OUT_FEATURES)
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.pos = nn.Embedding(SEQ_LEN, hidden)  # learned: one vector per position
+        self.blocks = nn.ModuleDict({str(i): Block(hidden, heads) for i in range(blocks)})
+        self.norm = nn.LayerNorm(hidden)
+        # Not tied to `embed` (GPT-2 ties them): a tied weight is used by the first and the
+        # last layer, so a pipeline would hold it on two stages and must add up its two
+        # gradients, and FSDP and TP must shard it one way for both uses. Untied, every
+        # parameter lives in exactly one place.
+        self.output = nn.Linear(hidden, VOCAB)
 
     def forward(self, x):
-        if self.input is not None:
-            x = self.input(x)
+        if self.embed is not None:  # a pipeline's later stages take activations, not tokens
+            x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
-        if self.output is not None:
-            x = self.output(x)
+        if self.output is not None:  # only the last stage has the head
+            x = self.output(self.norm(x))
         return x
 
 
-def make_dataset(split="train", dtype=torch.float32):
-    """A regression task that can be learned: y = teacher(x) + small noise, the same every time.
+def loss_fn(logits, targets, reduction="mean"):
+    """Cross-entropy over every predicted token: logits (batch, seq, VOCAB), targets (batch,
+    seq). reduction="sum" for sums that add up across batches and ranks (with targets.numel()
+    tokens): evaluation divides once, at the end."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
 
-    The teacher is a fixed random two-layer network, so the loss has somewhere to fall to.
-    split="train": DATASET_SIZE samples to train on. split="val": VAL_SIZE held-out samples of
-    the same teacher, drawn after (so disjoint from) the training ones; 1000 is divided by
-    neither 3, 6, 7 nor 8, so those world sizes make DistributedSampler pad (see ddp.py).
-    Built from its own generator, so it neither reads nor disturbs the global RNG. Always drawn
-    in float32, then cast to `dtype`: a --fp64 run trains on the same numbers as an fp32 one.
+
+def flops_per_sample(model):
+    """Training FLOPs of one sequence as MFU counts them (nanoGPT's estimate): 6 per weight per
+    token for every weight that multiplies (forward 2, backward 4; the embeddings only look
+    up), plus attention's scores and weighted sums, 12 x hidden x SEQ_LEN per block per token.
+    From the layers' shapes, so it holds for a sharded model too."""
+    dense = sum(m.in_features * m.out_features for m in model.modules()
+                if isinstance(m, nn.Linear))
+    attention = sum(12 * m.o.in_features * SEQ_LEN for m in model.modules()
+                    if isinstance(m, Attention))
+    return SEQ_LEN * (6 * dense + attention)
+
+
+def make_dataset(split="train", dtype=torch.float32):
+    """Token sequences with a structure only attention can learn, the same every time.
+
+    Each sequence is PERIOD random tokens, then the same PERIOD tokens again (and the first
+    one once more): SEQ_LEN + 1 tokens, cut into the input (tokens 0..15) and the targets
+    (tokens 1..16: the next token at each position). The first PERIOD - 1 targets are random:
+    nothing can predict them, and they keep the loss above (PERIOD - 1) / SEQ_LEN x ln(VOCAB)
+    = 1.52. From position PERIOD - 1 on, the next token is a copy of the one PERIOD positions
+    back: a model that attends there predicts it exactly. So the loss falls from ln(32) = 3.47
+    towards 1.52 exactly as far as attention learns to look back.
+    split="train": DATASET_SIZE sequences; "val": VAL_SIZE held-out ones, drawn after (so
+    other than) the training ones. 1000 is divided by neither 3, 6, 7 nor 8, so those world
+    sizes make DistributedSampler pad (see ddp.py). From its own generator, so it neither
+    reads nor disturbs the global RNG. Tokens are integers: `dtype` (the run's float type)
+    does not change them; the --fp64 run trains on the same data as the fp32 one.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     g = torch.Generator().manual_seed(DATA_SEED)
-    x = torch.randn(DATASET_SIZE, IN_FEATURES, generator=g)
-    w1 = torch.randn(IN_FEATURES, 64, generator=g) / IN_FEATURES**0.5
-    w2 = torch.randn(64, OUT_FEATURES, generator=g) / 64**0.5
-    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(DATASET_SIZE, OUT_FEATURES, generator=g)
+    first = torch.randint(VOCAB, (DATASET_SIZE, PERIOD), generator=g)
     if split == "val":
-        x = torch.randn(VAL_SIZE, IN_FEATURES, generator=g)
-        y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(VAL_SIZE, OUT_FEATURES, generator=g)
-    return torch.utils.data.TensorDataset(x.to(dtype), y.to(dtype))
+        first = torch.randint(VOCAB, (VAL_SIZE, PERIOD), generator=g)
+    tokens = first.repeat(1, 3)[:, :SEQ_LEN + 1]
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 def seed_everything(seed):
@@ -350,12 +416,16 @@ def save_atomic(obj, path):
 
 def check_resumable(saved, args, refuse):
     """Call refuse(why) if this run cannot continue the checkpoint whose train state is `saved`
-    exactly: another model size (where it says), --batch-size or --seed (the data order would
-    not continue), or the other precision (loading would cast the weights and Adam's moments
+    exactly: another model size (where it says) or head count, --batch-size or --seed (the
+    data order would not continue), or the other precision (loading would cast the weights and Adam's moments
     silently, and the run would go on in another precision than it started in)."""
     if "hidden" in saved and (saved["hidden"], saved["blocks"]) != (args.hidden, args.blocks):
         refuse(f"saved with --hidden {saved['hidden']} --blocks {saved['blocks']}; "
                "use the same model size")
+    # The head count shapes no weight (q, k, v are hidden x hidden whatever it is), so the
+    # weights would load and the attention would compute something else: the file says it.
+    if saved.get("heads") != args.heads:
+        refuse(f"saved with --heads {saved.get('heads')}; use --heads {saved.get('heads')}")
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
         if saved.get(key) != getattr(args, key):
             refuse(f"written with {flag} {saved.get(key)}, not {getattr(args, key)}: the data "

@@ -38,14 +38,13 @@ import itertools
 import os
 
 import torch
-import torch.nn.functional as F
 from torch.nn import DataParallel
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import save_atomic, seed_everything
 
 
@@ -71,7 +70,9 @@ def parse_args(argv=None):
                        help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
@@ -107,6 +108,9 @@ def parse_args(argv=None):
                      f"{torch.cuda.device_count()} GPUs (its replicas would all run GPU 0's "
                      "weights); use ddp.py --activation-checkpointing, or one GPU "
                      "(CUDA_VISIBLE_DEVICES=0)")
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
+                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
@@ -140,16 +144,16 @@ def setup(args):
 
 
 def evaluate(model, dataset, batch_size, device):
-    """The mean squared error over every sample of the held-out set."""
+    """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
-            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
     model.train()
     return (sums[0] / sums[1]).item()
@@ -164,13 +168,14 @@ def train(args, device):
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device, dtype)
+    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
     # --- Activation checkpointing: per block, before any wrapper ---
     for block in model.blocks.values():
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
+            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
+            # docs/performance.md), at about one more forward's compute. Non-reentrant,
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -216,7 +221,7 @@ def train(args, device):
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"):
-                loss = F.mse_loss(dp_model(x), y) / args.accum_steps
+                loss = loss_fn(dp_model(x), y) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             loss_sum += loss.detach()
@@ -241,7 +246,7 @@ def train(args, device):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
@@ -252,7 +257,7 @@ def save_checkpoint(args, model, optimizer, step):
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64},
+                 "fp64": args.fp64, "heads": args.heads},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 

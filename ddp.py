@@ -66,7 +66,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
@@ -74,7 +73,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, num_params, positive, print0
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import compile_problem, save_atomic, seed_everything
 from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
 
@@ -101,7 +100,9 @@ def parse_args(argv=None):
                        help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
@@ -200,7 +201,7 @@ def setup(args):
 
 
 def evaluate(model, dataset, rank, world_size, batch_size, device):
-    """The mean squared error over every sample of the held-out set, exactly. Every rank must
+    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
     call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- DDP: evaluate a shard on each rank, then add the sums up ---
@@ -210,14 +211,14 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
             # The unwrapped model: no DDP hook, so nothing collective hides in this forward
             # (DDP's can broadcast buffers: a hang where the ranks' batch counts differ).
-            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
     # shard like a 334-sample one and count the duplicates, and change with the number of
@@ -238,7 +239,7 @@ def train(args, rank, world_size, device):
     dtype = torch.float64 if args.fp64 else torch.float32
     # Same seed on every rank: the replicas start alike (DDP would broadcast rank 0's anyway).
     seed_everything(args.seed)
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(device, dtype)
+    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
     # --- Activation checkpointing and compiling: per block, before any wrapper ---
     for block in model.blocks.values():
         if args.compile:
@@ -251,8 +252,9 @@ def train(args, rank, world_size, device):
             block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
+            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
+            # docs/performance.md), at about one more forward's compute. Non-reentrant,
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -314,7 +316,7 @@ def train(args, rank, world_size, device):
             last = micro == args.accum_steps - 1
             with contextlib.nullcontext() if last else ddp_model.no_sync():
                 with record_function("forward"):
-                    loss = F.mse_loss(ddp_model(x), y) / args.accum_steps
+                    loss = loss_fn(ddp_model(x), y) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
             # --- end ---
@@ -353,7 +355,7 @@ def train(args, rank, world_size, device):
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
@@ -364,7 +366,7 @@ def save_checkpoint(args, model, optimizer, step):
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64},
+                 "fp64": args.fp64, "heads": args.heads},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 

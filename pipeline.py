@@ -71,14 +71,13 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, IN_FEATURES, OUT_FEATURES, Meter, Profiler, SimpleModel
-from common import check_resumable, eval_line, fail, log_line, make_dataset, num_params
+from common import DATASET_SIZE, SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
+from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
 from common import compile_problem, positive, print0, save_atomic, seed_everything
 from common import launch, launcher_store, leave, machine_gpus, ranks
 
@@ -105,7 +104,9 @@ def parse_args(argv=None):
                        help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
     pipe = parser.add_argument_group("pipeline")
     pipe.add_argument("--stages", type=positive(int), default=None,
                       help="stages of the one process of --nproc 1 (default: one per GPU, or "
@@ -187,7 +188,7 @@ def parse_args(argv=None):
             parser.error(f"--schedule 1f1b needs --microbatches >= stages ({world_size}); "
                          f"use --microbatches {world_size} or more")
     if args.stages > args.blocks:
-        # Every stage gets at least one block (input layer on the first, output on the last).
+        # Every stage gets at least one block (embeddings on the first, the head on the last).
         parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
                      f"block; use --blocks {args.stages} or more, or fewer stages")
     if args.clip < 0:
@@ -245,7 +246,7 @@ def setup(args):
 
 def cut(model, stage, stages):
     """Stage `stage` of `stages`: a copy of the model that keeps only its share of the blocks,
-    plus the input layer on the first stage and the output layer on the last.
+    plus the embeddings on the first stage and the final norm and output layer on the last.
 
     Deleting from a full copy keeps the full model's parameter names ("blocks.3.up.weight"),
     so the stages' state_dicts are slices of the full one and merge back with a dict update.
@@ -259,14 +260,14 @@ def cut(model, stage, stages):
         if name not in mine:
             del part.blocks[name]
     if stage != 0:
-        part.input = None
+        part.embed = part.pos = None
     if stage != stages - 1:
-        part.output = None
+        part.norm = part.output = None
     return part
 
 
-def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
-    """The mean squared error over every sample of the held-out set, the same on every rank.
+def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden, dtype):
+    """The mean cross-entropy per token over the whole held-out set, the same on every rank.
 
     Forward only, stage by stage; with several ranks, every rank must call it (it sends,
     receives and ends in a collective).
@@ -274,7 +275,7 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
     for stage_module in stages:
         stage_module.eval()  # no dropout or BatchNorm here, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # every rank: the same batches, in order
-    sums = torch.zeros(2, dtype=torch.float64, device=devices[-1])  # squared errors, values
+    sums = torch.zeros(2, dtype=torch.float64, device=devices[-1])  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             if world_size == 1:
@@ -289,8 +290,8 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
                 device = devices[0]
                 if rank == 0:
                     x = x.to(device)
-                else:  # the activations of the previous stage: (batch, hidden)
-                    x = torch.empty(len(x), hidden, device=device, dtype=x.dtype)
+                else:  # the previous stage's activations: (batch, sequence, hidden)
+                    x = torch.empty(*x.shape, hidden, device=device, dtype=dtype)
                     dist.recv(x, src=rank - 1)
                 x = stages[0](x)
                 if rank < world_size - 1:
@@ -299,7 +300,7 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden):
                 # --- end ---
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
-            sums[0] += F.mse_loss(x, y.to(x.device), reduction="sum")
+            sums[0] += loss_fn(x, y.to(x.device), reduction="sum")
             sums[1] += y.numel()
     if world_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # the last stage's sums, to every rank
@@ -318,7 +319,7 @@ def train(args, rank, world_size, devices):
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
-    model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype)
+    model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
     # Into the full model, before the cut: every stage then starts from its slice of the file.
     state = load_checkpoint(args, model) if args.checkpoint else None
     if world_size == 1:
@@ -339,8 +340,9 @@ def train(args, rank, world_size, devices):
             block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
+            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
+            # docs/performance.md), at about one more forward's compute. Non-reentrant,
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             # In a pipeline each micro-batch keeps its activations until its backward (GPipe:
@@ -356,22 +358,23 @@ def train(args, rank, world_size, devices):
         # output of one micro-batch (on "meta": shapes only, no memory) skip that. An input
         # that requires grad is one whose gradient goes back to the previous stage. In the
         # run's dtype: the stages size their send and receive buffers from these.
-        micro = args.batch_size // args.microbatches
-        width_in = IN_FEATURES if rank == 0 else args.hidden
-        width_out = OUT_FEATURES if rank == world_size - 1 else args.hidden
+        # Stage 0 takes token ids (micro-batch, sequence), integers with no gradient; the
+        # stages hand on activations (micro-batch, sequence, hidden); the last returns logits
+        # (micro-batch, sequence, VOCAB).
+        shape = (args.batch_size // args.microbatches, SEQ_LEN)
         stage = PipelineStage(
             stages[0], rank, world_size, device,
-            input_args=torch.empty(micro, width_in, device="meta", dtype=dtype,
-                                   requires_grad=rank > 0),
-            output_args=torch.empty(micro, width_out, device="meta", dtype=dtype,
-                                    requires_grad=True))
+            input_args=torch.empty(shape, device="meta", dtype=torch.long) if rank == 0 else
+            torch.empty(*shape, args.hidden, device="meta", dtype=dtype, requires_grad=True),
+            output_args=torch.empty(*shape, VOCAB if rank == world_size - 1 else args.hidden,
+                                    device="meta", dtype=dtype, requires_grad=True))
         # loss_fn runs on the last stage, once per micro-batch, and returns that
         # micro-batch's *mean* loss. Backward of M such losses adds up M mean gradients:
         # M times the gradient of the whole batch. scale_grads=True (the default, spelled
         # out here) divides the gradients by M after the last backward, so the optimizer
         # sees exactly the gradient one device computes on the whole batch.
         schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
-                                            loss_fn=F.mse_loss, scale_grads=True)
+                                            loss_fn=loss_fn, scale_grads=True)
         is_first, is_last = rank == 0, rank == world_size - 1
         # --- end ---
     # Each stage's optimizer sees only its own parameters; together they are one Adam.
@@ -408,7 +411,7 @@ def train(args, rank, world_size, devices):
             with record_function("forward"):
                 for stage_module, device in zip(stages, devices):
                     x = stage_module(x.to(device))
-                loss = F.mse_loss(x, y.to(x.device))
+                loss = loss_fn(x, y.to(x.device))
             with record_function("backward"):
                 loss.backward()  # autograd follows the .to() calls back across the devices
             loss = loss.detach()
@@ -457,7 +460,7 @@ def train(args, rank, world_size, devices):
             # every rank, at the same steps: it sends and receives
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(stages, val_set, rank, world_size, devices,
-                                    args.batch_size, args.hidden)
+                                    args.batch_size, args.hidden, dtype)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Each stage holds a slice of the weights and of Adam's state: rank 0 gathers both
@@ -467,7 +470,7 @@ def train(args, rank, world_size, devices):
             if rank == 0:
                 save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss))
+    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss))
     weights, _ = (gather_full_state(model, stages, optimizer, rank, devices[0]) if args.save
                   else (None, None))
     return weights, final_loss, val_loss
@@ -524,7 +527,7 @@ def save_checkpoint(args, weights, adam, step):
     weights and Adam's state."""
     save_atomic({"model": weights, "optimizer": adam,
                  "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64},
+                 "fp64": args.fp64, "heads": args.heads},
                 args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 

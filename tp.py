@@ -62,7 +62,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
@@ -76,8 +75,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, num_params, positive, print0
-from common import MLP_RATIO, compile_problem, save_atomic, seed_everything
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
+from common import compile_problem, save_atomic, seed_everything
 from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 
@@ -104,7 +103,9 @@ def parse_args(argv=None):
                        help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="number of hidden blocks")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
@@ -144,11 +145,11 @@ def parse_args(argv=None):
     gpus = machine_gpus() if use_cuda else 0
     # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
     # CPU), or fewer where that many would not divide the batch (common.most_workers), nor
-    # each block's inner width, which TP cuts: on 6 GPUs --batch-size 96 --hidden 96 uses 6.
+    # --heads, which TP cuts: on 6 GPUs --batch-size 96 --heads 6 --hidden 96 uses 6.
     world_size, local_world = ranks(
-        args, most_workers(gpus, args.batch_size, args.accum_steps, MLP_RATIO * args.hidden), gpus,
+        args, most_workers(gpus, args.batch_size, args.accum_steps, args.heads), gpus,
         f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
-        f"{gpus * args.accum_steps} (and --hidden a multiple of {gpus}) to use all")
+        f"{gpus * args.accum_steps} (and --heads a multiple of {gpus}) to use all")
     if use_cuda and local_world > gpus:
         # DDP's fallback (gloo ranks sharing a GPU) does not carry over: NCCL, one GPU per rank.
         parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
@@ -157,10 +158,9 @@ def parse_args(argv=None):
     if world_size % args.tp:
         parser.error(f"--tp {args.tp} must divide the world size {world_size} (the ranks form "
                      f"a grid of TP groups); use a divisor of {world_size}")
-    if MLP_RATIO * args.hidden % args.tp:
-        parser.error(f"--tp {args.tp} must divide each block's inner width {MLP_RATIO} x "
-                     f"--hidden = {MLP_RATIO * args.hidden}, which TP cuts in {args.tp}; "
-                     f"use --hidden {args.hidden * args.tp} or another --tp")
+    if args.heads % args.tp:
+        parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
+                     f"whole heads); use --heads {args.heads * args.tp} or another --tp")
     if local_world % args.tp:
         # Ranks are numbered machine by machine, and a TP group is T consecutive ranks: it
         # stays inside one machine only if the ranks per machine are a multiple of T.
@@ -217,7 +217,7 @@ def setup(args):
 
 
 def evaluate(model, dataset, mesh, batch_size, device):
-    """The mean squared error over every sample of the held-out set, exactly. Every rank must
+    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
     call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- TP: evaluate a shard on each TP group, then add the sums up ---
@@ -229,7 +229,7 @@ def evaluate(model, dataset, mesh, batch_size, device):
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # squared errors, values
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
@@ -237,7 +237,7 @@ def evaluate(model, dataset, mesh, batch_size, device):
             # Every forward of a sharded model is a collective (FSDP's blocks all-gather weights,
             # TP's all-reduce outputs), so all ranks run as many: the padding keeps the counts
             # equal, and a rank out of real samples forwards an empty batch, x[:0].
-            sums[0] += F.mse_loss(model(x), y, reduction="sum")
+            sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
     # shard like a 334-sample one and count the duplicates, and change with the number of
@@ -256,19 +256,27 @@ def evaluate(model, dataset, mesh, batch_size, device):
 
 def parallelize(model, mesh):
     """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D)."""
-    # --- TP: cut each block's matrices over the TP group ---
-    # ColwiseParallel makes up.weight (out x in) a DTensor sharded by rows of the weight,
-    # i.e. by output column of x @ W.T: Shard(0), 1/T of the inner units per rank, bias too.
-    # It takes the whole input (replicated) and leaves its output sharded along the last
-    # dimension, which is exactly what RowwiseParallel expects as input: down.weight is
-    # sharded by its input columns (Shard(1)), each rank computes a partial sum, and one
-    # all-reduce in forward makes the output whole (and its backward all-reduces the gradient
-    # of up's input). The ReLU between them works on each rank's slice: it is elementwise.
-    # The input and output layers stay whole on every rank of the group (replicated): they
-    # are small, and TP would cost them a collective each.
+    # --- TP: cut each block's attention by heads and its MLP by inner units ---
+    # ColwiseParallel makes a weight (out x in) a DTensor sharded by rows of the weight, i.e.
+    # by output column of x @ W.T: Shard(0), 1/T of the outputs per rank, bias too. It takes
+    # the whole input (replicated) and leaves its output sharded along the last dimension,
+    # which is exactly what RowwiseParallel expects as input: its weight is sharded by input
+    # columns (Shard(1)), each rank computes a partial sum, and one all-reduce in forward makes
+    # the output whole (its backward all-reduces the gradient of the block's input).
+    # Attention: q, k and v by columns, so rank r holds heads r*H/T .. (r+1)*H/T - 1 of each,
+    # whole (hence --heads divisible by --tp), and attention runs per head with no
+    # communication; `o` by rows. The MLP: `up` by columns, `down` by rows; the ReLU between
+    # them is elementwise. The norms, the embeddings and the head stay whole on every rank of
+    # the group (replicated): norms act on whole tokens, and the rest is small here.
     for block in model.blocks.values():
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
-                                               "down": RowwiseParallel()})
+        parallelize_module(block, mesh["tp"], {
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
+            "up": ColwiseParallel(), "down": RowwiseParallel()})
+        # The attention splits q, k, v into `heads` heads; each rank now holds H/T of them.
+        # Left at H, it would cut each rank's slice into H heads of 1/T the width: shapes
+        # that fit, and attention over the wrong numbers, silently (the bug zoo).
+        block.attn.heads //= mesh["tp"].size()
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each rank
     # holds 1/(D*T) of a block). The other order fails: fully_shard has already made every
@@ -294,7 +302,7 @@ def train(args, rank, world_size, device):
     # On the "meta" device a module has shapes but no storage: a model far bigger than one
     # device costs nothing to build here.
     with torch.device("meta"):
-        model = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype)
+        model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
     # --- Activation checkpointing and compiling: per block, before TP and fully_shard ---
     for block in model.blocks.values():
         if args.compile:
@@ -310,8 +318,9 @@ def train(args, rank, world_size, device):
             block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:
             # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the 4x-wide ReLU output that `down` needs: 4 of every 5 bytes a
-            # block keeps for backward), at about one more forward's compute. Non-reentrant,
+            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
+            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
+            # docs/performance.md), at about one more forward's compute. Non-reentrant,
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -331,7 +340,7 @@ def train(args, rank, world_size, device):
     full = {}
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel(hidden=args.hidden, blocks=args.blocks).to(dtype).state_dict()
+        full = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
     # After parallelize, never before: it replaces each block's parameters with a sharded
@@ -379,7 +388,7 @@ def train(args, rank, world_size, device):
             if dp > 1:
                 model.set_requires_gradient_sync(last)
             with record_function("forward"):
-                loss = F.mse_loss(model(x), y) / args.accum_steps
+                loss = loss_fn(model(x), y) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             # --- end ---
@@ -409,7 +418,7 @@ def train(args, rank, world_size, device):
             with meter.paused():  # every rank writes its own shards: a collective
                 save_checkpoint(args, model, optimizer, rank, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=6 * num_params(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
@@ -451,7 +460,7 @@ def save_checkpoint(args, model, optimizer, rank, step):
     if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
         commit_sharded(args.checkpoint, name, {
             "step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
-            "hidden": args.hidden, "blocks": args.blocks})
+            "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads})
 
 
 def load_checkpoint(args, model, optimizer):
