@@ -54,7 +54,12 @@ class Attention(nn.Module):
         # How many heads this module's q, k, v outputs hold: `heads` of hidden // heads
         # numbers each. tp.py lowers it to the heads one rank holds after cutting q, k and v.
         self.heads = heads
-        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.q = nn.Linear(hidden, hidden)
+        # No bias on k: it would add q . bias to every score of a query alike, which softmax
+        # ignores, so its gradient is zero, but for rounding noise that Adam (dividing each
+        # entry by its own size) turns into full-size steps: drift, and no learning.
+        self.k = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, hidden)
         self.o = nn.Linear(hidden, hidden)
 
     def forward(self, x):

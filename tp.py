@@ -67,9 +67,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, parallelize_module)
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
@@ -270,6 +270,11 @@ def parallelize(model, mesh):
     # the group (replicated): norms act on whole tokens, and the rest is small here.
     for block in model.blocks.values():
         parallelize_module(block, mesh["tp"], {
+            # The attention's input, made a (replicated) DTensor once, before q, k and v take
+            # it: their three input gradients then add up as one partial sum and backward
+            # all-reduces it once, not once per projection (3 all-reduces where 1 will do).
+            "attn": PrepareModuleInput(input_layouts=Replicate(),
+                                       desired_input_layouts=Replicate()),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
             "up": ColwiseParallel(), "down": RowwiseParallel()})

@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from common import SimpleModel, make_dataset
 
 
-def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, ranks=1,
+def token_loss(logits, targets, reduction="mean"):
+    """Cross-entropy over every predicted token (written here, not imported from the scripts)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           reduction=reduction)
+
+
+def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
                     fp64=False, norms=None):
     """Return (initial state_dict, final state_dict, loss of every step).
 
@@ -25,10 +31,10 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, rank
     """
     dtype = torch.float64 if fp64 else torch.float32
     torch.manual_seed(seed)
-    model = SimpleModel(hidden=hidden, blocks=blocks).to(dtype)
+    model = SimpleModel(hidden=hidden, blocks=blocks, heads=heads).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    x, y = make_dataset(dtype=dtype).tensors
+    x, y = make_dataset().tensors  # token ids: integers in any precision
     steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
     losses = []
     for step in range(steps):
@@ -38,12 +44,12 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, rank
         batch = order[k * batch_size:(k + 1) * batch_size]
         optimizer.zero_grad()
         if ranks == 1:
-            loss = F.mse_loss(model(x[batch]), y[batch])
+            loss = token_loss(model(x[batch]), y[batch])
             loss.backward()
         else:
             loss, grads = 0.0, []
             for r in range(ranks):
-                part = F.mse_loss(model(x[batch[r::ranks]]), y[batch[r::ranks]])
+                part = token_loss(model(x[batch[r::ranks]]), y[batch[r::ranks]])
                 grads.append(torch.autograd.grad(part, list(model.parameters())))
                 loss += part.detach() / ranks
             for p, *g in zip(model.parameters(), *grads):
@@ -59,11 +65,11 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, clip=None, rank
     return initial, model.state_dict(), losses
 
 
-def reference_val_loss(weights, hidden, blocks):
-    """The exact mean squared error of `weights` over the whole held-out set, in float64:
-    one forward over all of it, no batches, no ranks."""
-    model = SimpleModel(hidden=hidden, blocks=blocks).double()
+def reference_val_loss(weights, hidden, blocks, heads):
+    """The exact mean cross-entropy per token of `weights` over the whole held-out set, in
+    float64: one forward over all of it, no batches, no ranks."""
+    model = SimpleModel(hidden=hidden, blocks=blocks, heads=heads).double()
     model.load_state_dict(weights)
     x, y = make_dataset("val").tensors
     with torch.no_grad():
-        return F.mse_loss(model(x.double()), y.double()).item()
+        return token_loss(model(x), y).item()

@@ -6,7 +6,7 @@ import importlib
 import pytest
 import torch
 
-from common import IN_FEATURES, SimpleModel
+from common import SEQ_LEN, VOCAB, SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, fp64, load_saved, logged_losses, max_diff,
@@ -65,7 +65,7 @@ def test_default_dtype_on_cpu_is_bf16(runs):
 def test_low_precision_on_cpu_trains_to_the_fp32_loss(name, runs, reference, reference_val):
     out = runs[name][0]
     losses = logged_losses(out)
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
     assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)
     # evaluated under autocast too: near, not equal to, the fp32 validation loss
     assert summary_val_loss(out) == pytest.approx(reference_val, rel=LOW_PRECISION_REL_TOL)
@@ -75,8 +75,8 @@ def _scaled_backward(scaler, model=None):
     """A model whose .grad holds scaled gradients, as after `scaler.scale(loss).backward()`."""
     if model is None:
         torch.manual_seed(0)
-        model = SimpleModel(hidden=8, blocks=1)
-    x = torch.randn(64, IN_FEATURES, generator=torch.Generator().manual_seed(1))
+        model = SimpleModel(hidden=8, blocks=1, heads=2)
+    x = torch.randint(VOCAB, (64, SEQ_LEN), generator=torch.Generator().manual_seed(1))
     loss = 100 * model(x).pow(2).mean()  # large enough that the gradient norm exceeds 1
     scaler.scale(loss).backward()
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
@@ -149,7 +149,7 @@ def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(t
     amp.main([*JOB_FLAGS, "--steps=2", "--dtype=bf16", f"--checkpoint={ckpt}"])
     before = ckpt.read_bytes()
     args = amp.parse_args([*JOB_FLAGS, "--dtype=fp16", f"--checkpoint={ckpt}"])
-    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
+    model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
     with pytest.raises(SystemExit, match="written with --dtype bf16, not fp16; use --dtype bf16"):
         amp.load_checkpoint(args, model, None, None)
     assert ckpt.read_bytes() == before
@@ -160,7 +160,7 @@ def test_checkpoint_of_another_dtype_is_refused_in_one_line_and_left_as_it_was(t
 def test_low_precision_on_cuda_trains_to_the_fp32_loss(dtype, reference):
     out = ok(python("amp.py", *CUDA_JOB_FLAGS, f"--dtype={dtype}"))
     losses = logged_losses(out)
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
     assert losses[-1] == pytest.approx(reference[2][-1], rel=LOW_PRECISION_REL_TOL)
 
 

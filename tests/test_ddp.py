@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
 from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
@@ -16,7 +15,7 @@ from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL,
                       launch_runs, load_saved, logged_losses, logged_val_losses, max_diff,
                       needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, run_as_only_rank,
                       succeeded, summary_val_loss, torchrun)
-from reference import reference_val_loss
+from reference import reference_val_loss, token_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
@@ -97,12 +96,12 @@ def test_three_ranks_pad_the_held_out_set_so_averaging_rank_means_would_be_wrong
     shards = [list(DistributedSampler(val_set, num_replicas=world_size, rank=r, shuffle=False))
               for r in range(world_size)]
     assert len(val_set) == 1000 and sum(map(len, shards)) == 1002
-    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).double()
+    model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"]).double()
     model.load_state_dict(reference[1])
-    x, y = (t.double() for t in val_set.tensors)
+    x, y = val_set.tensors
     with torch.no_grad():
-        naive = sum(F.mse_loss(model(x[s]), y[s]).item() for s in shards) / world_size
-    exact = reference_val_loss(reference[1], JOB["hidden"], JOB["blocks"])
+        naive = sum(token_loss(model(x[s]), y[s]).item() for s in shards) / world_size
+    exact = reference_val_loss(reference[1], JOB["hidden"], JOB["blocks"], JOB["heads"])
     assert abs(naive - exact) > 10 * VAL_TOL
 
 

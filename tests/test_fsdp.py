@@ -101,7 +101,7 @@ def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):
 
 
 def reference_state():
-    return SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).state_dict()
+    return SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"]).state_dict()
 
 
 def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
@@ -137,7 +137,7 @@ def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(r
     ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
     dcp_to_torch_save(ckpt / (ckpt / "latest").read_text(), tmp_path / "full.pt")
     merged = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
-    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
+    model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
     model.load_state_dict(merged, strict=True)
     assert max_diff(model.state_dict(), succeeded(runs["torchrun 2 ranks"])[1]) == 0.0
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import SimpleModel
+from common import SEQ_LEN, VOCAB, SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, TOL, VAL_TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
@@ -19,20 +19,23 @@ from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, TOL, VAL_TOL,
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
+# TP cuts whole heads, so T must divide --heads: JOB's 3 heads on TP 3 (one head per rank), and
+# 4 heads (JOB's width, 24, in heads of 6) where T is 2 or 4.
+HEADS = 4
 RUNS = {  # name: (ranks under torchrun, or None for `python tp.py`; extra flags)
-    # fp32, what users run: pure TP, each block cut in 2, on the short job
-    "torchrun 2 ranks, tp 2": (2, []),
+    # fp32, what users run: pure TP, each block cut in 3 (one head per rank), on the short job
+    "torchrun 3 ranks, tp 3": (3, []),
     # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, 3 micro-batches, activation
     # checkpointing; its checkpoint (step 40) is continued as TP 4 below
     # and clipping (the blocks' gradients on the 2D mesh, the outer layers' on "dp" only)
     "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC, clip": (4, [
-        *fp64(SEED_A, clip=FP64_CLIP), "--tp=2", "--accum-steps=3",
-        "--activation-checkpointing",
-        "--checkpoint={folder}/2d"]),
+        *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--accum-steps=3",
+        "--activation-checkpointing", "--checkpoint={folder}/2d"]),
     # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
     # through compiled blocks (TP's DTensors inside) that recompute their activations
     "fp64, spawn 2 ranks, tp 2, accum 2, compile + AC": (None, [
-        "--nproc=2", *fp64(SEED_B), "--accum-steps=2", "--compile", "--activation-checkpointing"]),
+        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2", "--compile",
+        "--activation-checkpointing"]),
 }
 FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
              zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
@@ -43,8 +46,9 @@ def runs(tmp_path_factory):
     return launch_runs("tp.py", RUNS, tmp_path_factory.mktemp("tp"))
 
 
-def test_tp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val):
-    out, weights = succeeded(runs["torchrun 2 ranks, tp 2"])  # --save: a plain state_dict
+def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, reference,
+                                                                    reference_val):
+    out, weights = succeeded(runs["torchrun 3 ranks, tp 3"])  # --save: a plain state_dict
     assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
@@ -54,7 +58,7 @@ def test_tp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val)
 @pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_clipped_2d_and_compiled_tp_with_accumulation_equal_the_fp64_oracle(name, runs):
     seed, clip = FP64_RUNS[name]
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=HEADS)
 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
@@ -62,28 +66,33 @@ def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
     continued to step 48 as pure TP 4 (each block cut in 4 over a 1x4 mesh, the input and
     output layers whole), clipping as it did, ends within 1e-9 of 48 uninterrupted steps on
     one device."""
-    folder = runs["torchrun 2 ranks, tp 2"][1].parent
+    folder = runs["torchrun 3 ranks, tp 3"][1].parent
     shutil.copytree(folder / "2d", tmp_path / "on4")
-    assert_checkpoints_resume_to_the_oracle("tp.py", {(4,): tmp_path / "on4"}, tmp_path, SEED_A,
-                                            FP64_CLIP)
+    assert_checkpoints_resume_to_the_oracle("tp.py", {(4, f"--heads={HEADS}"): tmp_path / "on4"},
+                                            tmp_path, SEED_A, FP64_CLIP, heads=HEADS)
 
 
 def state_mib(stdout):
     return float(re.search(r"\| state ([0-9.]+) MiB/rank", stdout).group(1))
 
 
+def cut_by_tp(name):
+    """Whether TP cuts this parameter: q, k, v and up (weights and biases) by output columns,
+    o and down (weights) by input rows. Their biases (added once, after the all-reduce), the
+    norms, the embeddings and the head stay whole."""
+    return any(f".{layer}." in name for layer in ("q", "k", "v", "up")) or \
+        name.endswith(("o.weight", "down.weight"))
+
+
 def test_each_rank_holds_its_share_of_the_training_state(runs):
     """Weights, gradients and Adam's two moments (4 numbers per parameter: 16 bytes in fp32,
-    32 in fp64): a block's over T ranks (2D: D*T), and, in pure TP, the input and output
-    layers whole."""
-    model = SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"])
-    block = sum(p.numel() for p in model.blocks.parameters())
-    down_bias = JOB["blocks"] * JOB["hidden"]  # RowwiseParallel keeps it whole on each rank
-    io = sum(p.numel() for p in model.parameters()) - block
+    32 in fp64): what TP cuts over T ranks (2D: D*T), the rest whole (2D: over D)."""
+    model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
+    cut = sum(p.numel() for name, p in model.named_parameters() if cut_by_tp(name))
+    whole = sum(p.numel() for p in model.parameters()) - cut
     expect = {  # name: (bytes per number, parameters held)
-        "torchrun 2 ranks, tp 2": (4, (block - down_bias) / 2 + down_bias + io),
-        "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC, clip": (8, (block - down_bias) / 4
-                                                        + (down_bias + io) / 2)}
+        "torchrun 3 ranks, tp 3": (4, cut / 3 + whole),
+        "fp64, torchrun 4 ranks, 2D 2x2, accum 3, AC, clip": (8, cut / 4 + whole / 2)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,
                                                                     abs=1e-3), name
@@ -110,35 +119,36 @@ def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, fake
     import tp as tp_script
     mesh = fake_group(dp, tp)
     with torch.device("meta"):
-        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2), mesh)
+        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2, heads=4), mesh)
     for name, p in model.named_parameters():
         share = p.to_local().numel() / p.numel() if hasattr(p, "to_local") else 1
-        if ".up." in name or name.endswith("down.weight"):
-            assert share == 1 / (dp * tp), name
-        else:  # down.bias (added once, after the all-reduce), input, output: not cut by TP
-            assert share == 1 / dp, name
+        assert share == (1 / (dp * tp) if cut_by_tp(name) else 1 / dp), name
+    assert all(block.attn.heads == 4 // tp for block in model.blocks.values())
 
 
-def test_one_forward_and_backward_make_two_all_reduces_per_block(fake_group):
-    """Megatron's count: forward all-reduces each block's partial sums once (after `down`),
-    backward the gradient of each block's input once (before `up`); nothing else."""
+def test_one_forward_and_backward_make_four_all_reduces_per_block(fake_group):
+    """Megatron's count: forward all-reduces each block's partial sums twice (after `o` and
+    after `down`), backward the gradient of the block's input twice (before q, k, v, together,
+    and before `up`); nothing else."""
     from torch.distributed.tensor.debug import CommDebugMode
     import tp as tp_script
     blocks = 3
-    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks), fake_group(1, 2))
-    x = torch.randn(8, 32, requires_grad=True)
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks, heads=4),
+                                  fake_group(1, 2))
+    x = torch.randint(VOCAB, (8, SEQ_LEN))
     with CommDebugMode() as comm:
         out = model(x)
         forward = dict(comm.get_comm_counts())
         out.sum().backward()
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    assert sum(forward.values()) == blocks
-    assert counts == {"all_reduce": 2 * blocks}
+    assert sum(forward.values()) == 2 * blocks
+    assert counts == {"all_reduce": 4 * blocks}
 
 
 @pytest.mark.parametrize("world, flags, message", [
     (4, ["--tp=3"], "--tp 3 must divide the world size 4"),
-    (3, ["--tp=3", "--hidden=10"], "--tp 3 must divide each block's inner width 4 x --hidden = 40"),
+    (3, ["--tp=3", "--heads=4"], "--tp 3 must divide --heads 4"),
+    (2, ["--heads=6"], "--heads 6 must divide --hidden 64"),
     (4, ["--tp=2", "--batch-size=63"], "--batch-size 63 must be divisible by the 2 TP group(s)"),
 ])
 def test_bad_mesh_is_refused_in_one_line_before_any_process_group(world, flags, message,

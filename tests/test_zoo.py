@@ -36,10 +36,10 @@ MISTAKES = {
     "no_sync around backward only": ("ddp.py", [(
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
         "                with record_function(\"forward\"):\n"
-        "                    loss = F.mse_loss(ddp_model(x), y) / args.accum_steps\n"
+        "                    loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"
         "                with record_function(\"backward\"):\n",
         "            with record_function(\"forward\"):\n"
-        "                loss = F.mse_loss(ddp_model(x), y) / args.accum_steps\n"
+        "                loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
         "                with record_function(\"backward\"):\n")]),
     "mean of per-rank validation means": ("ddp.py", [(
@@ -59,8 +59,8 @@ MISTAKES = {
         "                save_checkpoint(args, model, optimizer, step + 1)",
         "                save_checkpoint(args, ddp_model, optimizer, step + 1)")]),
     "loss not divided when accumulating": ("single.py", [(
-        "                loss = F.mse_loss(model(x), y) / args.accum_steps",
-        "                loss = F.mse_loss(model(x), y)")]),
+        "                loss = loss_fn(model(x), y) / args.accum_steps",
+        "                loss = loss_fn(model(x), y)")]),
     "TP group fed by rank": ("tp.py", [(
         "    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, "
         "shuffle=True,",
@@ -76,8 +76,8 @@ MISTAKES = {
         "    for block in model.blocks.values():\n"
         "        # The knob that trades memory for speed")]),
     "pipeline with scale_grads=False": ("pipeline.py", [(
-        "loss_fn=F.mse_loss, scale_grads=True)",
-        "loss_fn=F.mse_loss, scale_grads=False)")]),
+        "loss_fn=loss_fn, scale_grads=True)",
+        "loss_fn=loss_fn, scale_grads=False)")]),
     "clipping before unscale_": ("amp.py", [(
         "    scaler.unscale_(optimizer)\n"
         "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n",
@@ -211,7 +211,7 @@ def test_the_ddp_wrappers_state_dict_does_not_load_into_simplemodel(tmp_path):
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
     assert all(key.startswith("module.") for key in state)
     with pytest.raises(RuntimeError, match="Unexpected key"):
-        SimpleModel(hidden=JOB["hidden"], blocks=JOB["blocks"]).load_state_dict(state)
+        SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"]).load_state_dict(state)
 
 
 def test_a_loss_not_divided_when_accumulating_misses_the_oracle(tmp_path):
