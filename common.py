@@ -422,8 +422,9 @@ def save_atomic(obj, path):
 def check_resumable(saved, args, refuse):
     """Call refuse(why) if this run cannot continue the checkpoint whose train state is `saved`
     exactly: another model size (where it says) or head count, --batch-size or --seed (the
-    data order would not continue), or the other precision (loading would cast the weights and Adam's moments
-    silently, and the run would go on in another precision than it started in)."""
+    data order would not continue), or the other precision (loading would cast the weights
+    and Adam's moments silently, and the run would go on in another precision than it
+    started in)."""
     if "hidden" in saved and (saved["hidden"], saved["blocks"]) != (args.hidden, args.blocks):
         refuse(f"saved with --hidden {saved['hidden']} --blocks {saved['blocks']}; "
                "use the same model size")

@@ -139,6 +139,9 @@ def parse_args(argv=None):
     problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
     if problem:
         parser.error(problem)
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
+                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
     gpus = machine_gpus() if use_cuda else 0
     # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
     # CPU), or fewer where that many would not divide the batch (common.most_workers).

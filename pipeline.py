@@ -150,6 +150,9 @@ def parse_args(argv=None):
     problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
     if problem:
         parser.error(problem)
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
+                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
     gpus = machine_gpus() if use_cuda else 0
     # torchrun's ranks, or the --nproc workers started here: by default one stage per GPU (2
     # on a CPU), but never more stages than blocks: on 8 GPUs --blocks 4 makes 4 stages.

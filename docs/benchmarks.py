@@ -17,8 +17,10 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIZE = ["--hidden=512", "--blocks=2", "--steps=20", "--log-every=1000", "--eval-every=1000",
-        "--device=cpu"]  # 4.2 M parameters: a 16.8 MB gradient
+SIZE = ["--hidden=256", "--blocks=2", "--heads=4", "--steps=20", "--log-every=1000",
+        "--eval-every=1000", "--device=cpu"]  # 1.6 M parameters: a 6.4 MB gradient
+PARAMS = 1.6e6
+HIDDEN, SEQ = 256, 16
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
@@ -53,7 +55,7 @@ def table(title, header, rows):
 
 def ddp(reps=3):
     rows = []
-    for batch in (1024, 2048):
+    for batch in (64, 128):
         for _ in range(reps):
             (one, _), = rates(torchrun(1, "ddp.py", batch))
             (two, _), = rates(torchrun(2, "ddp.py", batch))
@@ -67,15 +69,16 @@ def ddp(reps=3):
 
 def tp(reps=2):
     rows = []
-    for batch in (256, 1024, 4096):
+    for batch in (16, 64, 256):
         for _ in range(reps):
             (d, _), = rates(torchrun(2, "ddp.py", batch))
             (t, _), = rates(torchrun(2, "tp.py", batch))
             ceiling = sum(r for r, _ in rates(torchrun(1, "ddp.py", batch // 2),
                                               torchrun(1, "ddp.py", batch // 2)))
-            # bytes each moves per step, in theory: TP all-reduces a B x H activation twice per
-            # block (forward, backward); DDP all-reduces the gradient once.
-            tp_mb, ddp_mb = 2 * 2 * batch * 512 * 4 / 1e6, 4.2e6 * 4 / 1e6
+            # bytes each moves per step, in theory: TP all-reduces a (B, S, H) activation four
+            # times per block (two in forward, two in backward); DDP the gradient once.
+            tp_mb = 4 * 2 * batch * SEQ * HIDDEN * 4 / 1e6
+            ddp_mb = PARAMS * 4 / 1e6
             rows.append([str(batch), f"{d:.0f}", f"{t:.0f}", f"{ceiling:.0f}", f"{t / d:.0%}",
                          f"{t / ceiling:.0%}", f"{tp_mb:.1f}", f"{ddp_mb:.1f}"])
     table("TP against DDP and the ceiling, 2 ranks (samples/s)", [
@@ -86,23 +89,23 @@ def tp(reps=2):
 def fsdp(reps=3):
     rows = []
     for i in range(reps):
-        (d, _), = rates(torchrun(2, "ddp.py", 2048))
-        (f, line), = rates(torchrun(2, "fsdp.py", 2048))
+        (d, _), = rates(torchrun(2, "ddp.py", 128))
+        (f, line), = rates(torchrun(2, "fsdp.py", 128))
         state = re.search(r"state ([0-9.]+ MiB/rank)", line).group(1)
         rows.append([str(i + 1), f"{d:.0f}", f"{f:.0f}", f"{f / d:.0%}", state])
-    table("FSDP against DDP, 2 ranks, batch 2048 (samples/s)",
+    table("FSDP against DDP, 2 ranks, batch 128 (samples/s)",
           ["repetition", "DDP", "FSDP", "FSDP / DDP", "FSDP state per rank"], rows)
 
 
 def pipeline(reps=2):
     rows = []
     for i in range(reps):
-        (mp, _), = rates(python("pipeline.py", 1024, "--nproc=1", "--stages=2"))
-        (g, _), = rates(torchrun(2, "pipeline.py", 1024, "--schedule=gpipe"))
-        (f, _), = rates(torchrun(2, "pipeline.py", 1024, "--schedule=1f1b"))
+        (mp, _), = rates(python("pipeline.py", 128, "--nproc=1", "--stages=2"))
+        (g, _), = rates(torchrun(2, "pipeline.py", 128, "--schedule=gpipe"))
+        (f, _), = rates(torchrun(2, "pipeline.py", 128, "--schedule=1f1b"))
         rows.append([str(i + 1), f"{mp:.0f}", f"{g:.0f}", f"{f:.0f}", f"{g / (2 * mp):.0%}",
                      f"{f / (2 * mp):.0%}"])
-    table("Pipeline against model parallelism, 2 stages, batch 1024, 4 micro-batches "
+    table("Pipeline against model parallelism, 2 stages, batch 128, 4 micro-batches "
           "(samples/s)", ["repetition", "model parallel (1 process)", "GPipe", "1F1B",
                           "GPipe / (2 x model parallel)", "1F1B / (2 x model parallel)"], rows)
 
@@ -110,22 +113,22 @@ def pipeline(reps=2):
 def dataparallel(reps=2):
     rows = []
     for i in range(reps):
-        (s, _), = rates(python("single.py", 1024))
-        (d, _), = rates(python("dataparallel.py", 1024))
-        (r, _), = rates(torchrun(1, "ddp.py", 1024))
+        (s, _), = rates(python("single.py", 128))
+        (d, _), = rates(python("dataparallel.py", 128))
+        (r, _), = rates(torchrun(1, "ddp.py", 128))
         rows.append([str(i + 1), f"{s:.0f}", f"{d:.0f}", f"{r:.0f}"])
-    table("One device: single.py, DataParallel and one DDP rank, batch 1024 (samples/s)",
+    table("One device: single.py, DataParallel and one DDP rank, batch 128 (samples/s)",
           ["repetition", "single.py", "dataparallel.py", "ddp.py, 1 rank"], rows)
 
 
 def checkpointing(reps=2):
     """Activation checkpointing where activations dominate: a narrow, deep model on a large
-    batch (64 blocks of 64 -> 256 -> 64; 2048 samples per rank). Expected activation bytes:
-    each block keeps up's input (64 floats per sample) and relu's output (256) for backward:
-    2048 x 320 x 4 bytes = 2.6 MB per block per rank, 168 MB for 64 blocks; with checkpointing
-    only each block's input (0.5 MB, 34 MB in all) and one block's recomputation at a time.
-    The peak is the whole process's RSS, torch itself (~300 MB) included."""
-    flags = ["--hidden=64", "--blocks=64", "--steps=8", "--batch-size=4096",
+    batch (16 blocks of hidden 64, 4 heads; 512 sequences of 16 tokens per rank). What a block
+    keeps for backward, per token, in theory (docs/performance.md): about 13 x hidden numbers
+    plus the attention weights (heads x sequence); with checkpointing, only its input (1 x
+    hidden) and one block's recomputation at a time. Measured as the peak RSS above the same
+    run on a batch of 2 (torch itself, the weights, Adam's state: ~350 MB)."""
+    flags = ["--hidden=64", "--blocks=16", "--heads=4", "--steps=8", "--batch-size=1024",
              "--log-every=1000", "--eval-every=1000", "--device=cpu"]
     rows = []
     for script in ("ddp.py", "fsdp.py"):
@@ -141,7 +144,7 @@ def checkpointing(reps=2):
                 peak = float(re.search(r"peak mem ([0-9.]+) MiB", line).group(1))
                 rows.append([script, "on" if ac else "off", f"{rate:.0f}", f"{ms:.0f}",
                              f"{peak:.0f}", f"{peak - base:.0f}"])
-    table("Activation checkpointing, 2 ranks, 64 blocks of hidden 64, batch 4096 "
+    table("Activation checkpointing, 2 ranks, 16 blocks of hidden 64, batch 1024 "
           "(peak RSS of rank 0's process)", ["script", "checkpointing", "samples/s", "ms/step",
                                              "peak MiB", "above batch 2, MiB"], rows)
 
@@ -152,7 +155,7 @@ def compiled(reps=2):
     rows = []
     sizes = {"default (hidden 64 x 4, batch 64)": ["--steps=60", "--log-every=1000",
                                                    "--eval-every=1000", "--device=cpu"],
-             "performance (hidden 512 x 2, batch 1024)": [*SIZE, "--batch-size=1024"]}
+             "performance (hidden 256 x 2, batch 128)": [*SIZE, "--batch-size=128"]}
     for size, flags in sizes.items():
         for _ in range(reps):
             for compile_ in ([], ["--compile"]):

@@ -24,10 +24,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# 4 blocks of hidden 512: 8.4 M parameters, 33.6 MB of fp32 weights; Adam in fp32 needs 16
-# bytes per parameter (134 MB), far above the activations of a batch of 64 (~1 MB).
-SIZE = ["--hidden=512", "--blocks=4", "--batch-size=64", "--steps=10", "--log-every=1000",
-        "--eval-every=1000", "--device=cpu"]
+# 4 blocks of hidden 384, 6 heads: 7.1 M parameters, 28.5 MB of fp32 weights; Adam in fp32
+# needs 16 bytes per parameter (114 MB), well above the activations of a batch of 8 sequences
+# (128 tokens: ~13 x 384 x 4 bytes per token per block, ~10 MB).
+SIZE = ["--hidden=384", "--blocks=4", "--heads=6", "--batch-size=8", "--steps=10",
+        "--log-every=1000", "--eval-every=1000", "--device=cpu"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 CONFIGS = {  # name: (script, flags, the bytes each rank sends per step in theory, psi units)
     "DDP": ("ddp.py", [], "2(N-1)/N: the gradient's all-reduce"),

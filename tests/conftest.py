@@ -29,24 +29,27 @@ from common import SimpleModel, free_port  # noqa: E402
 #
 # fp32, what users run: JOB, a short job that still crosses two epoch boundaries (4096 // 1200
 # = 3 steps per epoch), with a batch that 1, 2, 3, 4 and 6 ranks (and 2 ranks x 2 or 3
-# micro-batches) all divide, at the scripts' defaults (lr 3e-3, seed 0). fp32 holds only over a
-# short horizon: Adam amplifies rounding in gradient entries near its eps, and on some seeds and
-# learning rates two summation orders part within a few steps (seed 3 at lr 1e-2: 7e-7 at step
-# 8, 6e-5 at step 12, for every strategy alike; docs/drift.md). So the fp32 runs are this one
-# job, on the scripts' default seed, held to TOL.
+# micro-batches) all divide, at the scripts' defaults (lr 3e-3, seed 0), on a small
+# transformer (3 blocks of width 24, 3 heads: an odd head count). fp32 holds only over a short
+# horizon: Adam divides each gradient entry by its own size, so an entry made of terms that
+# nearly cancel turns another summation order's last bit into a visible step (on this model:
+# 1e-6 after 1 step, 1e-4 after 8, for every strategy alike; docs/drift.md). So the fp32 runs
+# are this one job, on the scripts' default seed, held to TOL.
 #
 # fp64, the proof on flags nobody chose: FP64_JOB, 40 steps of batch 360 (11 steps per epoch:
-# four epochs), lr 0.03 (10x the default), on two seeds, with odd world sizes and accumulation.
-# In float64 two correct strategies agree to ~1e-14 over any horizon (measured, docs/proofs.md),
-# so FP64_TOL is five orders of magnitude above rounding and a gap is a bug. Any seeds prove it:
-# FP64_SEEDS=7,8 python -m pytest -q tests runs the fp64 proof on seeds 7 and 8.
+# four epochs), lr 0.01 (3.3x the default), on two seeds, with odd world sizes and
+# accumulation. In float64 two correct strategies agree to ~1e-13 over 48 steps (measured on
+# seeds 1-8, 1 rank against 2 and 3: at most 1.1e-13; docs/proofs.md), so FP64_TOL is four
+# orders of magnitude above rounding and a gap is a bug. (At lr 0.03 even float64 parts: on
+# seeds 1 and 3 two summation orders reach 1e-9 between steps 40 and 48, docs/drift.md.) Any
+# seeds prove it: FP64_SEEDS=7,8 python -m pytest -q tests runs the fp64 proof on seeds 7, 8.
 JOB = dict(steps=8, batch_size=1200, lr=3e-3, seed=0, hidden=24, blocks=3, heads=3)
-FP64_JOB = dict(steps=40, batch_size=360, lr=0.03)  # 360: 2, 3 and 4 ranks, x3 micro-batches
+FP64_JOB = dict(steps=40, batch_size=360, lr=0.01)  # 360: 2, 3 and 4 ranks, x3 micro-batches
 FP64_SEEDS = [int(s) for s in os.environ.get("FP64_SEEDS", "1,2").split(",")]
 FP64_TOL = 1e-9
 # --clip on the fp64 proof's runs that name it: below every step's gradient norm of FP64_JOB
-# (measured: at least 0.055 on seeds 1-8, clipped or not), so clipping acts at every step;
-# each such test also checks that against the oracle's norms.
+# (measured: at least 0.082 on seeds 1-8 over 48 steps, clipped or not), so clipping acts at
+# every step; each such test also checks that against the oracle's norms.
 FP64_CLIP = 0.02
 # Every test names its device: on a machine with GPUs, "auto" would move a CPU test there.
 JOB_FLAGS = [*(f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()), "--device=cpu"]
@@ -87,6 +90,12 @@ GPU_TOL = TOL
 # one more summation order. Measured on JOB (CPU, inductor): single.py compiled 3.0e-8 from the
 # oracle, the distributed runs within 2.7e-7, as eager ones are.
 COMPILE_TOL = TOL
+
+# The gradient norm printed in fp32, against the oracle's: by step 8 the weights are up to TOL
+# apart, which moves the norm's 6th digit (measured: at most 2e-6, relative). A norm of the
+# wrong thing (one rank's shards, one stage's part) is 10% or more off. fp64 runs are held to
+# 1e-6, the 7 digits printed.
+NORM_RTOL = 1e-4
 
 # The validation loss is printed with 6 decimals (rounding: up to 5e-7); computed in float32
 # batch by batch and summed in float64, the scripts' exact means differ from the float64
@@ -292,11 +301,13 @@ def fails_clearly(result, *needles):
         assert needle in result.stderr, f"{needle!r} not in stderr:\n{result.stderr}"
 
 
-def load_saved(path, hidden=JOB["hidden"], blocks=JOB["blocks"]):
-    """Load a --save file the way a user would: weights_only, strict, into a fresh SimpleModel
-    of the file's dtype (a --fp64 file holds float64 tensors; a float32 model would round them)."""
+def load_saved(path, model=None):
+    """Load a --save file the way a user would: weights_only, strict, into a fresh model (JOB's
+    SimpleModel, or `model`) of the file's dtype (a --fp64 file holds float64 tensors; a float32
+    model would round them)."""
     weights = torch.load(path, weights_only=True)
-    model = SimpleModel(hidden=hidden, blocks=blocks).to(next(iter(weights.values())).dtype)
+    model = model or SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
+    model = model.to(next(iter(weights.values())).dtype)
     model.load_state_dict(weights, strict=True)
     return model.state_dict()
 
@@ -342,18 +353,18 @@ def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], c
     assert diff < FP64_TOL, f"max weight difference {diff:.2e} from the fp64 oracle"
     exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], heads)
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)
-    assert_norms_are_the_oracles(out, norms)
+    assert_norms_are_the_oracles(out, norms, rel=1e-6)  # float64: to the digits printed
     if clip:
         assert min(norms) > clip  # so the clip acted at every step
 
 
-def assert_norms_are_the_oracles(stdout, norms):
+def assert_norms_are_the_oracles(stdout, norms, rel=NORM_RTOL):
     """The gradient norm printed on every logged step (7 significant digits) is the oracle's
-    norm at that step to 1e-6, relative: the whole gradient's, however it is sharded."""
+    norm at that step to `rel`: the whole gradient's, however it is sharded."""
     logged = logged_norms(stdout)
     assert logged, "no step logged a gradient norm"
     for step, norm in logged.items():
-        assert norm == pytest.approx(norms[step - 1], rel=1e-6), f"step {step}"
+        assert norm == pytest.approx(norms[step - 1], rel=rel), f"step {step}"
 
 
 def logged_norms(stdout):

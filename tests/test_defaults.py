@@ -47,9 +47,12 @@ def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     # gloo workers that trained correctly must not abort at exit (see ddp.py's run())
     assert "terminate called" not in err
     losses, val_losses = logged_losses(out), logged_val_losses(out)
-    assert losses[-1] < 0.1 * losses[0], losses
+    # From ln(32) = 3.47 (guessing) to under half of it: the copied half of every sequence,
+    # which only attention can predict, is learned (common.make_dataset; the floor is 1.52).
+    assert losses[-1] < 0.5 * losses[0], losses
     assert len(val_losses) == 4, val_losses  # --eval-every 50 of --steps 200
-    assert val_losses[-1] < 0.1 * initial_val_loss(), val_losses
+    assert val_losses[-1] < 0.5 * initial_val_loss(), val_losses
+    assert val_losses == sorted(val_losses, reverse=True), val_losses  # and keeps falling
     assert summary_val_loss(out) == val_losses[-1]
     assert all(x > 0 for x in summary_numbers(out))  # samples/s, ms/step, peak memory
 
@@ -59,7 +62,7 @@ def test_shared_flags_have_the_same_defaults_in_every_script(monkeypatch):
     defaults = {name: vars(importlib.import_module(name).parse_args([])) for name in SCRIPTS}
     shared = set.intersection(*(set(d) for d in defaults.values()))
     assert {"steps", "batch_size", "lr", "seed", "log_every", "eval_every", "hidden",
-            "blocks", "device", "save"} <= shared
+            "blocks", "heads", "device", "save"} <= shared
     for key in shared:
         assert len({repr(d[key]) for d in defaults.values()}) == 1, (key, defaults)
     # amp.py's extra knob is off by default: its fp32 run is the others' run

@@ -107,7 +107,7 @@ def reference_state():
 def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
     out = runs["1 rank, bf16"][0][0]
     losses = logged_losses(out)
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
     assert losses[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
 
 
@@ -149,6 +149,7 @@ def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(r
     ("other size", "saved with --hidden 16 --blocks 3; use the same model size"),
     ("other batch", "written with --batch-size 60, not 64"),
     ("other precision", "written with --fp64; add --fp64 to continue it"),
+    ("other heads", "saved with --heads 2; use --heads 2"),
 ])
 def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(content, message, tmp_path):
     """load_checkpoint reads the small files first, on every rank, before any collective."""
@@ -167,9 +168,9 @@ def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(content, messa
         else:
             (ckpt / "step_00000004").mkdir()
             (ckpt / "latest").write_text("step_00000004")
-            meta = dict(step=4, batch_size=64, seed=0, hidden=32, blocks=3)
+            meta = dict(step=4, batch_size=64, seed=0, hidden=32, blocks=3, heads=4)
             meta.update({"other size": dict(hidden=16), "other batch": dict(batch_size=60),
-                         "other precision": dict(fp64=True)}[content])
+                         "other precision": dict(fp64=True), "other heads": dict(heads=2)}[content])
             (ckpt / "step_00000004" / "train_state.json").write_text(json.dumps(meta))
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(SystemExit) as exit_:

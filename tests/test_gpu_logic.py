@@ -111,13 +111,13 @@ class OnGpu(torch.Tensor):
 
 
 def test_save_atomic_writes_cpu_tensors_that_load_anywhere(tmp_path):
-    model = common.SimpleModel(hidden=8, blocks=1)
+    model = common.SimpleModel(hidden=8, blocks=1, heads=2)
     on_gpu = {k: v.detach().clone().as_subclass(OnGpu) for k, v in model.state_dict().items()}
     optimizer_state = {"state": {0: {"step": torch.tensor(3.0).as_subclass(OnGpu)}},
                        "param_groups": [{"lr": 0.1, "params": [0]}]}
     common.save_atomic({"model": on_gpu, "optimizer": optimizer_state}, tmp_path / "c.pt")
     loaded = torch.load(tmp_path / "c.pt", weights_only=True)  # no map_location needed
-    assert type(loaded["model"]["input.weight"]) is torch.Tensor
+    assert type(loaded["model"]["embed.weight"]) is torch.Tensor
     assert max_diff(loaded["model"], model.state_dict()) == 0
     assert loaded["optimizer"]["state"][0]["step"] == 3.0
 
@@ -234,7 +234,7 @@ def test_dataparallel_refuses_activation_checkpointing_on_2_gpus_in_one_line(fak
 def test_why_a_dataparallel_replica_would_run_gpu0s_checkpointed_forward():
     """The reason for the refusal above: a forward stored on a module instance is copied, bound
     to the original, into every replica DataParallel makes of it."""
-    block = common.Block(4)
+    block = common.Block(4, 2)
     block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     replica = block._replicate_for_data_parallel()
     assert replica.forward.args[0].__self__ is block

@@ -1,6 +1,6 @@
-"""The bug zoo: eleven classic mistakes, each made on purpose in a temporary copy of a script, and
-each caught. The same list is the course's exercise sheet (docs/exercises.md): break the line,
-run the test, read the failure.
+"""The bug zoo: thirteen classic mistakes, each made on purpose in a temporary copy of a script
+(and of common.py, where the mistake is in the model), and each caught. The same list is the
+course's exercise sheet (docs/exercises.md): break the line, run the test, read the failure.
 
 Each mistake is an exact replacement of lines of the real script. If a script changes so that
 the lines are no longer there (or are there twice), the test fails and says which: the zoo can
@@ -17,15 +17,18 @@ import pytest
 import torch
 
 from common import SimpleModel
-from conftest import (FP64_CLIP, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL, early_results,
-                      fp64, fp64_reference, load_saved, logged_losses, logged_norms, max_diff, ok,
-                      run_as_only_rank, run_in_process, summary_val_loss, torchrun_cmd)
+from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL,
+                      early_results, fp64, fp64_reference, load_saved, logged_losses,
+                      logged_norms, max_diff, ok, run_as_only_rank, run_in_process,
+                      summary_val_loss, torchrun_cmd)
 from reference import reference_val_loss
 from test_amp import _scaled_backward
 
 SEED = FP64_SEEDS[0]
+HEADS = 4  # the TP mistakes run on 2 ranks: a head count 2 divides (tests/test_tp.py)
 
-# name: (script, [(lines of the real script, the mistake in their place), ...])
+# name: (script, [(lines of the real script, the mistake in their place), ...]); an edit of
+# three, (file, lines, mistake), is made in that file (common.py) instead of the script.
 MISTAKES = {
     "no set_epoch": ("ddp.py", [(
         "            sampler.set_epoch(epoch)\n",
@@ -61,6 +64,32 @@ MISTAKES = {
     "loss not divided when accumulating": ("single.py", [(
         "                loss = loss_fn(model(x), y) / args.accum_steps",
         "                loss = loss_fn(model(x), y)")]),
+    "TP: local head count left global": ("tp.py", [(
+        "        block.attn.heads //= mesh[\"tp\"].size()\n", "")]),
+    "TP: a fused qkv layer cut by columns": ("tp.py", [(
+        "common.py",
+        "        self.q = nn.Linear(hidden, hidden)\n",
+        "        q = nn.Linear(hidden, hidden)\n"), (
+        "common.py",
+        "        self.k = nn.Linear(hidden, hidden, bias=False)\n"
+        "        self.v = nn.Linear(hidden, hidden)\n",
+        "        k = nn.Linear(hidden, hidden, bias=False)\n"
+        "        v = nn.Linear(hidden, hidden)\n"
+        "        # one layer for all three, holding q's, k's and v's numbers stacked by rows: one\n"
+        "        # device computes exactly what the three layers compute\n"
+        "        self.qkv = nn.Linear(hidden, 3 * hidden, device=\"meta\")\n"
+        "        self.qkv.weight = nn.Parameter(\n"
+        "            torch.cat([q.weight, k.weight, v.weight]).detach())\n"
+        "        self.qkv.bias = nn.Parameter(\n"
+        "            torch.cat([q.bias, 0 * q.bias, v.bias]).detach())\n"), (
+        "common.py",
+        "        q, k, v = (proj(x).view(batch, seq, self.heads, -1).transpose(1, 2)\n"
+        "                   for proj in (self.q, self.k, self.v))\n",
+        "        q, k, v = (part.reshape(batch, seq, self.heads, -1).transpose(1, 2)\n"
+        "                   for part in self.qkv(x).chunk(3, dim=-1))\n"), (
+        "            \"attn.q\": ColwiseParallel(), \"attn.k\": ColwiseParallel(),\n"
+        "            \"attn.v\": ColwiseParallel(), \"attn.o\": RowwiseParallel(),\n",
+        "            \"attn.qkv\": ColwiseParallel(), \"attn.o\": RowwiseParallel(),\n")]),
     "TP group fed by rank": ("tp.py", [(
         "    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, "
         "shuffle=True,",
@@ -100,7 +129,9 @@ LAUNCHED = {
     "sampler seeded per rank": (2, fp64(SEED)),
     # 3 ranks: 1000 held-out samples are dealt as 334 + 334 + 334, two duplicates
     "mean of per-rank validation means": (3, fp64(SEED, steps=4)),
-    "TP group fed by rank": (2, fp64(SEED)),
+    "TP group fed by rank": (2, [*fp64(SEED), f"--heads={HEADS}"]),
+    "TP: local head count left global": (2, [*fp64(SEED, steps=4), f"--heads={HEADS}"]),
+    "TP: a fused qkv layer cut by columns": (2, [*fp64(SEED, steps=2), f"--heads={HEADS}"]),
     "pipeline with scale_grads=False": (2, [*fp64(SEED), "--microbatches=4"]),
     "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
 }
@@ -110,13 +141,16 @@ def mutant(name, folder):
     """A copy of the script with the mistake made, as `folder`/<script>; fails loudly if the
     lines it replaces are not in the real script exactly once."""
     script, edits = MISTAKES[name]
-    text = (REPO / script).read_text()
-    for old, new in edits:
+    texts = {}
+    for edit in edits:
+        file, old, new = edit if len(edit) == 3 else (script, *edit)
+        text = texts.get(file, (REPO / file).read_text())
         assert text.count(old) == 1, (
-            f"{name}: {script} no longer holds these lines exactly once; update the zoo:\n{old}")
-        text = text.replace(old, new)
+            f"{name}: {file} no longer holds these lines exactly once; update the zoo:\n{old}")
+        texts[file] = text.replace(old, new)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / script).write_text(text)
+    for file, text in texts.items():  # a copied common.py is the one the copy imports
+        (folder / file).write_text(text)
     return folder / script
 
 
@@ -141,15 +175,18 @@ def early_launches(folder):
 
 @pytest.fixture(scope="module")
 def launched():
-    """{name: (stdout, saved weights)} of every launched mistake."""
+    """{name: (stdout, the file of its saved weights)} of every launched mistake."""
     folder, results = early_results(__name__)
-    return {name: (ok(result), load_saved(folder / f"m{i}" / "w.pt"))
+    return {name: (ok(result), folder / f"m{i}" / "w.pt")
             for i, (name, result) in enumerate(zip(LAUNCHED, results))}
 
 
-def distance(weights, steps=None):
-    """Max weight difference from the fp64 oracle on SEED (FP64_JOB, or `steps` steps)."""
-    return max_diff(weights, fp64_reference(SEED, *([steps] if steps else []))[1])
+def distance(weights, steps=FP64_JOB["steps"], heads=JOB["heads"]):
+    """Max weight difference from the fp64 oracle on SEED (FP64_JOB, or `steps` steps); weights:
+    a state_dict, or the file a launched mistake saved."""
+    if not isinstance(weights, dict):
+        weights = load_saved(weights)
+    return max_diff(weights, fp64_reference(SEED, steps, heads=heads)[1])
 
 
 def test_every_mistake_replaces_lines_the_real_script_holds_exactly_once(tmp_path):
@@ -199,7 +236,8 @@ def test_the_mean_of_per_rank_validation_means_misses_the_exact_held_out_loss(la
     wrong."""
     out, weights = launched["mean of per-rank validation means"]
     assert distance(weights, steps=4) < FP64_TOL
-    exact = reference_val_loss(fp64_reference(SEED, 4)[1], JOB["hidden"], JOB["blocks"])
+    exact = reference_val_loss(fp64_reference(SEED, 4)[1], JOB["hidden"], JOB["blocks"],
+                               JOB["heads"])
     assert abs(summary_val_loss(out) - exact) > 10 * VAL_TOL
 
 
@@ -228,7 +266,25 @@ def test_a_loss_not_divided_when_accumulating_misses_the_oracle(tmp_path):
 def test_a_tp_group_fed_by_rank_computes_slices_of_different_samples(launched):
     """Each rank of a TP group computes its slice of the inner units for other samples, and the
     all-reduce adds up pieces of different samples: it trains, and only one device shows it."""
-    assert distance(launched["TP group fed by rank"][1]) > FP64_TOL
+    assert distance(launched["TP group fed by rank"][1], heads=HEADS) > FP64_TOL
+
+
+def test_a_local_head_count_left_global_after_tp_misses_the_oracle(launched):
+    """After TP a rank's q, k and v hold H/T heads; split into H heads, each of 1/T the width,
+    the shapes still fit and attention runs over the wrong numbers (with the wrong scale)."""
+    assert distance(launched["TP: local head count left global"][1], steps=4,
+                    heads=HEADS) > FP64_TOL
+
+
+def test_a_fused_qkv_layer_cut_by_columns_mixes_q_k_and_v_from_the_first_step(launched):
+    """One layer for q, k and v (their weights stacked by rows), cut by ColwiseParallel like the
+    separate ones: rank 0 gets q and half of k, rank 1 the other half and v, and chunk(3) on a
+    rank's slice calls q's columns k, and k's v. Shapes fit; the first step's loss is already
+    not one device's (the fused layer holds the same numbers as the three, so one device would
+    compute that loss exactly)."""
+    out, _ = launched["TP: a fused qkv layer cut by columns"]
+    first = logged_losses(out)[0]
+    assert abs(first - fp64_reference(SEED, 2, heads=HEADS)[2][0]) > 1e-3
 
 
 def test_an_optimizer_built_before_fully_shard_trains_nothing(tmp_path):
@@ -275,4 +331,4 @@ def test_fsdp_clipped_by_the_norm_of_its_local_shards_clips_each_rank_by_its_own
     out, weights = launched["FSDP clipped by the norm of the local shards"]
     _, expected, _, norms = fp64_reference(SEED, 4, FP64_CLIP)
     assert logged_norms(out)[1] < 0.9 * norms[0]  # rank 0's part, printed as if the whole
-    assert max_diff(weights, expected) > FP64_TOL
+    assert max_diff(load_saved(weights), expected) > FP64_TOL
