@@ -676,10 +676,10 @@ class Meter:
         line = (f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
                 f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}")
         if self.gpus:
-            # The model's FLOPs, as MFU counts them: forward + backward of a dense layer cost
-            # about 6 per weight per sample. `rate` is the whole job's samples/s (the global
-            # batch), so this is the job's figure, not one GPU's, and activation
-            # checkpointing's recomputation (about 2 more per weight) is not in it.
+            # The model's FLOPs, as MFU counts them (flops_per_sample, above). `rate` is the
+            # whole job's samples/s (the global batch), so this is the job's figure, not one
+            # GPU's, and activation checkpointing's recomputation (about 2 more per weight per
+            # token) is not in it.
             line += f" | {flops_per_sample * rate / 1e12:.2f} model TFLOP/s (job)"
         line += f" | first step {self.first_step:.2f} s"
         if state_bytes is not None:
