@@ -308,9 +308,9 @@ def train(args, rank, world_size, device):
     keep = args.reshard_after_forward == "false"
     # Each Block becomes one unit of communication: its weights are gathered just before it
     # runs and freed right after, so only one block is ever whole at a time. Blocks first,
-    # then the root (the rest: input and output layers); the other order fails ("Invariant
-    # encountered: value was None"). Without the root, nobody averages the input and output
-    # layers' gradients: the ranks drift apart, silently (0.15 after 12 steps on 2 ranks).
+    # then the root (the rest: embeddings, final norm, head); the other order fails ("Invariant
+    # encountered: value was None"). Without the root, nobody averages the embeddings', the
+    # final norm's and the head's gradients: the ranks drift apart, silently.
     for block in model.blocks.values():
         # The knob that trades memory for speed (--reshard-after-forward false, ZeRO-2-like):
         # keep the gathered weights from forward to backward, one all-gather less per step.

@@ -2,29 +2,32 @@
 
 What it teaches
     DDP and FSDP split the batch; TP splits each layer. Every Block of SimpleModel is a
-    transformer's feed-forward pair, x + down(relu(up(x))), and with T ranks in a TP group
+    transformer block, attention then a feed-forward pair, and with T ranks in a TP group
     (Megatron-LM's scheme, torch.distributed.tensor.parallel):
-    - `up` is cut by columns (ColwiseParallel): rank t holds 1/T of its output units, so it
-      computes 1/T of the inner activations from the whole input, with no communication;
-    - `down` is cut by rows (RowwiseParallel): rank t multiplies its 1/T of the inner
-      activations by its 1/T of the rows and gets a partial sum of the output; one all-reduce
-      adds the T partial sums. Backward mirrors it: one all-reduce of the input's gradient.
-    So each rank holds and updates 1/T of every block's weights, gradients and Adam state, and
-    moves 2 activation-sized all-reduces per block per step, whatever the batch is cut into.
-    All the ranks of one TP group work on the same samples. With --tp T smaller than the world
-    size W, the W ranks form a grid of W/T groups ("dp") of T ranks ("tp"): TP inside each
-    group, FSDP across the groups, each group on its own shard of every batch (2D). With global
-    batch B the result equals one device with batch B: the tests prove it to ~1e-7.
+    - attention is cut by heads: q, k and v by columns (ColwiseParallel), so rank t holds H/T
+      whole heads of each and runs attention on them from the whole input, with no
+      communication; the output projection `o` by rows (RowwiseParallel): rank t multiplies its
+      heads' outputs by its rows and gets a partial sum, and one all-reduce adds the T of them;
+    - the feed-forward pair likewise: `up` by columns (1/T of the inner units per rank), `down`
+      by rows, one all-reduce. Backward mirrors both: one all-reduce of the block's input
+      gradient before attention (q, k and v together) and one before `up`.
+    So each rank holds and updates 1/T of every block's matrices, gradients and Adam state, and
+    moves 4 activation-sized all-reduces per block per step, whatever the batch is cut into;
+    the norms, embeddings and head stay whole on every rank. All the ranks of one TP group work
+    on the same samples. With --tp T smaller than the world size W, the W ranks form a grid of
+    W/T groups ("dp") of T ranks ("tp"): TP inside each group, FSDP across the groups, each
+    group on its own shard of every batch (2D). With global batch B the result equals one
+    device with batch B: the tests prove it in float64 to 1e-9.
 
-    Sequence parallelism (SP), which usually comes with TP in transformers, cuts the
-    LayerNorms and dropouts between the TP blocks along the sequence dimension, so that the
-    activations there are not held whole on every rank. SimpleModel has neither a sequence
-    dimension nor a LayerNorm: there is nothing for SP to cut here, so this file has none.
+    Sequence parallelism (SP), which usually comes with TP in transformers, would also cut the
+    LayerNorms' activations between the TP regions along the sequence, so that they are not
+    held whole on every rank; this file does not do it yet.
 
 When to use it
     The layers themselves are too big, or too slow, for one device, and the devices have the
-    fastest links there are (NVLink, inside one machine): every block all-reduces activations
-    twice per step, in the critical path. Large models use TP inside a machine and FSDP (or
+    fastest links there are (NVLink, inside one machine): every block all-reduces
+    activations four times per step (twice in forward, twice in backward), in the critical
+    path. Large models use TP inside a machine and FSDP (or
     pipelining) across machines: --tp 8 on 8-GPU machines.
 When not
     Over ordinary networks or across machines (TP's all-reduces would wait on every block),
@@ -168,7 +171,7 @@ def parse_args(argv=None):
         # Ranks are numbered machine by machine, and a TP group is T consecutive ranks: it
         # stays inside one machine only if the ranks per machine are a multiple of T.
         parser.error(f"--tp {args.tp}: {local_world} ranks per machine is not a multiple of "
-                     f"it, so a TP group would span machines, where its two all-reduces per "
+                     f"it, so a TP group would span machines, where its four all-reduces per "
                      f"block would wait on the network; use a --tp that divides {local_world}")
     carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
     if args.backend not in ("auto", carrier):
@@ -434,14 +437,15 @@ def train(args, rank, world_size, device):
 def clip_grad_norm(parameters, max_norm):
     """clip_grad_norm_ for TP and 2D: clip to the whole gradient's norm; return that norm.
 
-    The blocks' gradients are DTensors sharded over the TP group (2D: over both mesh
-    dimensions); the input and output layers' are plain tensors, whole on every rank (2D:
-    DTensors on the "dp" mesh only). torch.nn.utils.clip_grad_norm_ cannot mix them ("got
-    mixed torch.Tensor and DTensor"; across meshes, pytorch/pytorch#180346), and the norm of
-    each rank's local pieces would miss the other ranks' shards. So each parameter's norm is
-    made whole first (a DTensor's norm is a partial value; full_tensor() adds up the shards'
-    squares over its own mesh: one small all-reduce per parameter, nothing at this size), and
-    clipping scales every piece by the same factor, by clip_grad_norm_'s own formula.
+    The cut layers' gradients are DTensors on the TP group (sharded; the biases of `o` and
+    `down` replicated; 2D: over both mesh dimensions); the rest (the norms, the embeddings, the
+    head) are plain tensors, whole on every rank (2D: DTensors on the "dp" mesh only).
+    torch.nn.utils.clip_grad_norm_ cannot mix them ("got mixed torch.Tensor and DTensor";
+    across meshes, pytorch/pytorch#180346), and the norm of each rank's local pieces would miss
+    the other ranks' shards. So each parameter's norm is made whole first (a DTensor's norm is
+    a partial value; full_tensor() adds up the shards' squares over its own mesh: one small
+    all-reduce per parameter, nothing at this size), and clipping scales every piece by the
+    same factor, by clip_grad_norm_'s own formula.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     norms = [torch.linalg.vector_norm(g) for g in grads]

@@ -73,8 +73,8 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-# The tests' fp32 job (tests/conftest.py's JOB): batch 1200, the scripts' default lr and seed.
-JOB = ["--batch-size=1200", "--lr=0.003", "--seed=0", "--hidden=24", "--blocks=3", "--heads=3"]
+# The tests' fp32 job (tests/conftest.py's JOB): batch 600, the scripts' default lr and seed.
+JOB = ["--batch-size=600", "--lr=0.003", "--seed=0", "--hidden=24", "--blocks=3", "--heads=3"]
 
 
 def proof(steps, checkpoints, folder):
@@ -132,7 +132,7 @@ def proof(steps, checkpoints, folder):
                 title="Weights: fp32 (solid) parts as rounding grows; --fp64 (dashed)\n"
                       "stays at float64's rounding (bf16 rounds every matmul)")
     ax_diff.legend(fontsize=7, ncol=3, loc="center", bbox_to_anchor=(0.5, 0.37))  # no curve here
-    fig.suptitle(f"{len(STRATEGIES)} strategies on the tests' job (batch 1200 crossing epochs, "
+    fig.suptitle(f"{len(STRATEGIES)} strategies on the tests' job (batch 600 crossing epochs, "
                  f"Adam lr 3e-3, SimpleModel hidden 24 x 3 blocks, 3 heads), {cpu_name()}, torch "
                  f"{torch.__version__}", fontsize=9)
     fig.tight_layout()

@@ -18,7 +18,7 @@ amp = importlib.import_module("amp")  # the script under test, for its optimizer
 
 # Measured on CPU, torch 2.13.0, JOB (8 steps): the final loss of bf16 is 1.2e-4 and of fp16
 # 4.0e-4 away from fp32's, relative. bf16 keeps 8 mantissa bits (rounding error up to 0.4% per
-# op), fp16 11 but with loss scaling in the way; errors mostly average out over a batch of 1200.
+# op), fp16 11 but with loss scaling in the way; errors mostly average out over a batch of 600.
 # A 1% bound leaves ~25x margin; a run that trains wrongly misses fp32's loss by more.
 LOW_PRECISION_REL_TOL = 0.01
 CLIP = 0.05  # small enough that clipping is active at every step of JOB

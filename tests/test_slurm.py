@@ -144,7 +144,7 @@ def processes_with(text):
 
 def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device_weights(
         cluster, tmp_path):
-    long = dict(JOB, steps=120, batch_size=60)
+    long = dict(JOB, steps=80, batch_size=60)
     flags = [*(f"--{k.replace('_', '-')}={v}" for k, v in long.items()), "--device=cpu",
              "--fp64"]
     ckpt = tmp_path / "ckpt.pt"
@@ -165,7 +165,7 @@ def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device
     assert fields["Restarts"] == "1" and fields["NumNodes"] == "2", fields
     assert "ddp: 2 ranks" in log  # 2 nodes x 1 worker (NPROC_PER_NODE=1), met at the first
     assert "resumed from" in log and "(restart 1)" in log
-    # 120 steps, past fp32's horizon: in float64 the requeued job is one device's uninterrupted
+    # 80 steps, past fp32's horizon: in float64 the requeued job is one device's uninterrupted
     # run (as test_ddp_failures.py's SIGKILL test).
     _, expected, _ = reference_train(**long, fp64=True)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < FP64_TOL
