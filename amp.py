@@ -54,7 +54,7 @@ from common import compile_problem, save_atomic, seed_everything
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=positive(int), default=200, help="optimizer steps in all")
+    train.add_argument("--steps", type=positive(int), default=100, help="optimizer steps in all")
     train.add_argument("--batch-size", type=positive(int), default=64,
                        help="global batch: samples per optimizer step, summed over all ranks")
     train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
@@ -69,7 +69,7 @@ def parse_args(argv=None):
                        help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
                             "so the defaults train exactly like every other script)")
     train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
-    train.add_argument("--eval-every", type=positive(int), default=50,
+    train.add_argument("--eval-every", type=positive(int), default=25,
                        help="steps between evaluations on the held-out set (and at the end)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")

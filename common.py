@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 VOCAB = 32  # token ids 0..31
 SEQ_LEN = 16  # tokens a sequence feeds the model; it is scored on the next token at each
 PERIOD = SEQ_LEN // 2  # a sequence is PERIOD random tokens, repeated (see make_dataset)
-DATASET_SIZE = 4096  # training sequences
+DATASET_SIZE = 2048  # training sequences
 VAL_SIZE = 1000  # held-out sequences
 MLP_RATIO = 4  # a block's inner width, in multiples of its hidden width
 DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed moves init and order

@@ -50,8 +50,7 @@ STRATEGIES = {
                                  ["--schedule=gpipe"]),
     "pipeline 1F1B, 2 stages": ([*TORCHRUN, "--nproc_per_node=2"], "pipeline.py",
                                 ["--schedule=1f1b"]),
-    "TP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "tp.py", []),
-    "2D, 2 x 2": ([*TORCHRUN, "--nproc_per_node=4"], "tp.py", ["--tp=2"]),
+    "TP, 3 ranks (a head each)": ([*TORCHRUN, "--nproc_per_node=3"], "tp.py", []),
     "AMP bf16": ([sys.executable], "amp.py", ["--dtype=bf16"]),
 }
 
@@ -122,7 +121,7 @@ def proof(steps, checkpoints, folder):
         if label in diffs64:  # the same run with --fp64, against single.py --fp64
             ax_diff.plot(checkpoints, [max(v, floor) for v in diffs64[label]], marker=".",
                          ls="--", lw=1, color=color)
-    for bound, text in ((1e-6, "fp32 tests' bound (the short job)"),
+    for bound, text in ((1e-3, "fp32 tests' bound (the short job)"),
                         (1e-9, "fp64 tests' bound (any horizon)")):
         ax_diff.axhline(bound, color="gray", ls=":", lw=1)
         ax_diff.text(checkpoints[0], bound * 1.5, text, fontsize=7, color="gray")
@@ -180,7 +179,7 @@ def drift(steps, seeds, batch=28, lr=0.01):
         finals[seed, "fp64" if fp64 else "fp32"] = diffs
         ax.plot(range(1, steps + 1), [max(d, 1e-17) for d in diffs], lw=1, color=color,
                 ls="--" if fp64 else "-", label=f"seed {seed}{', fp64' if fp64 else ''}")
-    ax.axhline(1e-6, color="gray", ls=":", lw=1)
+    ax.axhline(1e-3, color="gray", ls=":", lw=1)
     ax.axhline(1e-9, color="gray", ls=":", lw=1)
     ax.set(xlabel="optimizer step", ylabel="max |weight, 1 rank - weight, 2 ranks|",
            yscale="log", ylim=(1e-17, 1),
@@ -309,15 +308,15 @@ def main():
             drift_finals = drift(60, [0, 1])
             timelines(folder, batch=256)
         else:
-            proof_finals, proof_finals64 = proof(64, [1, 2, 4, 8, 16, 32, 64], folder)
-            drift_finals = drift(1500, [0, 1, 2, 3, 29])
+            proof_finals, proof_finals64 = proof(64, [1, 4, 16, 64], folder)
+            drift_finals = drift(1000, [0, 1, 2, 3])
             timelines(folder, batch=1024)
     print("max weight difference from one device at the last step:")
     for label, d in proof_finals.items():
         print(f"  {label}: {d:.1e}" + (f", with --fp64 {proof_finals64[label]:.1e}"
                                       if label in proof_finals64 else ""))
     for (seed, precision), d in drift_finals.items():
-        marks = {s: d[s - 1] for s in (10, 50, 150, 300, 1000, len(d)) if s <= len(d)}
+        marks = {s: d[s - 1] for s in (1, 10, 50, 150, 300, 1000, len(d)) if s <= len(d)}
         print(f"drift seed {seed} {precision}: " + ", ".join(f"step {s} {v:.1e}"
                                                             for s, v in marks.items()))
     print("wrote", ", ".join(os.path.join("docs", f) for f in ("proof.png", "drift.png",

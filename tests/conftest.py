@@ -27,7 +27,7 @@ from common import SimpleModel, free_port  # noqa: E402
 
 # Two proofs, each where it holds (docs/proofs.md):
 #
-# fp32, what users run: JOB, a short job that still crosses an epoch boundary (4096 // 600 = 6
+# fp32, what users run: JOB, a short job that still crosses an epoch boundary (2048 // 300 = 6
 # steps per epoch), with a batch that 1, 2, 3, 4 and 6 ranks (and 2 ranks x 2 or 3
 # micro-batches) all divide, at the scripts' defaults (lr 3e-3, seed 0), on a small
 # transformer (3 blocks of width 24, 3 heads: an odd head count). fp32 holds only over a short
@@ -36,15 +36,15 @@ from common import SimpleModel, free_port  # noqa: E402
 # 1e-6 after 1 step, 1e-4 after 8, for every strategy alike; docs/drift.md). So the fp32 runs
 # are this one job, on the scripts' default seed, held to TOL.
 #
-# fp64, the proof on flags nobody chose: FP64_JOB, 40 steps of batch 360 (11 steps per epoch:
+# fp64, the proof on flags nobody chose: FP64_JOB, 40 steps of batch 180 (11 steps per epoch:
 # four epochs), lr 0.01 (3.3x the default), on two seeds, with odd world sizes and
 # accumulation. In float64 two correct strategies agree to ~1e-13 over 48 steps (measured on
 # seeds 1-8, 1 rank against 2 and 3: at most 1.1e-13; docs/proofs.md), so FP64_TOL is four
 # orders of magnitude above rounding and a gap is a bug. (At lr 0.03 even float64 parts: on
 # seeds 1 and 3 two summation orders reach 1e-9 between steps 40 and 48, docs/drift.md.) Any
 # seeds prove it: FP64_SEEDS=7,8 python -m pytest -q tests runs the fp64 proof on seeds 7, 8.
-JOB = dict(steps=8, batch_size=600, lr=3e-3, seed=0, hidden=24, blocks=3, heads=3)
-FP64_JOB = dict(steps=40, batch_size=360, lr=0.01)  # 360: 2, 3 and 4 ranks, x3 micro-batches
+JOB = dict(steps=8, batch_size=300, lr=3e-3, seed=0, hidden=24, blocks=3, heads=3)
+FP64_JOB = dict(steps=40, batch_size=180, lr=0.01)  # 180: 2, 3 and 4 ranks, x3 micro-batches
 FP64_SEEDS = [int(s) for s in os.environ.get("FP64_SEEDS", "1,2").split(",")]
 FP64_TOL = 1e-9
 # --clip on the fp64 proof's runs that name it: below every step's gradient norm of FP64_JOB
@@ -102,6 +102,9 @@ NORM_RTOL = 1e-4
 # oracle's by ~1e-8 (measured). A naive average of per-rank means on 3 ranks is 4e-5 off
 # (tests/test_ddp.py), 40x this bound.
 VAL_TOL = 1e-6
+# fp32 runs end up to TOL from the oracle's weights, which moves the validation loss in its 6th
+# decimal (measured: 1.6e-6 on TP 3); the naive average of per-rank means is farther still.
+FP32_VAL_TOL = 1e-5
 
 # The GPU tests: each carries the `gpu` mark, so `python -m pytest -q -rs tests -m gpu` runs
 # them and nothing else (docs/gpu.md), and skips each with its reason where no GPU is.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import SEQ_LEN, VOCAB, SimpleModel
-from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, fp64, load_saved, logged_losses, max_diff,
                       needs_cuda, ok, python, refused_in_one_line, run_in_process,
@@ -43,7 +43,7 @@ def test_fp32_with_default_flags_equals_one_device_like_every_other_script(runs,
                                                                           reference_val):
     out, weights = runs["fp32"]
     assert max_diff(weights, reference[1]) < TOL
-    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
 
 
 def test_fp32_is_exactly_the_baseline_including_clipping(runs):

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, fp64, launch_runs,
@@ -58,7 +58,7 @@ def test_model_parallel_stages_in_one_process_equal_one_device(model_parallel, r
     assert max_diff(weights, reference[1]) < TOL
     losses = logged_losses(out)
     assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
-    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert_norms_are_the_oracles(out, reference[3])
 
 
@@ -73,7 +73,7 @@ def test_pipeline_equals_one_device_in_fp32(runs, reference, reference_val):
     # the loss the last stage computed, brought to rank 0, is the whole batch's loss
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
     # evaluated through the stages: the exact mean over the held-out set
-    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert_norms_are_the_oracles(out, reference[3])  # every stage's part, added up
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from common import SEQ_LEN, VOCAB, SimpleModel
-from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS, JOB, TOL, VAL_TOL,
+from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, fp64, launch_runs, logged_losses, max_diff,
@@ -32,9 +32,10 @@ RUNS = {  # name: (ranks under torchrun, or None for `python tp.py`; extra flags
         *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--accum-steps=2",
         "--checkpoint={folder}/2d"]),
     # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
-    # through compiled blocks (TP's DTensors inside) that recompute their activations
-    "fp64, spawn 2 ranks, tp 2, accum 2, compile + AC": (None, [
-        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2", "--compile",
+    # through blocks that recompute their activations (compiling is proven in single.py: on a
+    # 2-core CPU it costs each process seconds)
+    "fp64, spawn 2 ranks, tp 2, accum 2, AC": (None, [
+        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
         "--activation-checkpointing"]),
 }
 FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
@@ -50,13 +51,13 @@ def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, refere
                                                                     reference_val):
     out, weights = succeeded(runs["torchrun 3 ranks, tp 3"])  # --save: a plain state_dict
     assert max_diff(weights, reference[1]) < TOL
-    assert summary_val_loss(out) == pytest.approx(reference_val, abs=VAL_TOL)
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
     assert_norms_are_the_oracles(out, reference[3])  # shards and whole layers, one norm
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_clipped_2d_and_compiled_tp_with_accumulation_equal_the_fp64_oracle(name, runs):
+def test_fp64_clipped_2d_and_checkpointed_tp_with_accumulation_equal_the_fp64_oracle(name, runs):
     seed, clip = FP64_RUNS[name]
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=HEADS)
 

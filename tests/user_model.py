@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-IN_FEATURES, OUT_FEATURES, SIZE, VAL_SIZE = 32, 8, 4096, 1000
+IN_FEATURES, OUT_FEATURES, SIZE, VAL_SIZE = 32, 8, 2048, 1000
 
 
 class Block(nn.Module):
