@@ -55,7 +55,7 @@ def table(title, header, rows):
 
 def ddp(reps=3):
     rows = []
-    for batch in (64, 128):
+    for batch in (128, 256):
         for _ in range(reps):
             (one, _), = rates(torchrun(1, "ddp.py", batch))
             (two, _), = rates(torchrun(2, "ddp.py", batch))
@@ -67,9 +67,9 @@ def ddp(reps=3):
           "ceiling (2 independent)", "ceiling / 1 rank", "DDP / ceiling"], rows)
 
 
-def tp(reps=2):
+def tp(reps=1):
     rows = []
-    for batch in (16, 64, 256):
+    for batch in (16, 64):
         for _ in range(reps):
             (d, _), = rates(torchrun(2, "ddp.py", batch))
             (t, _), = rates(torchrun(2, "tp.py", batch))
@@ -89,11 +89,11 @@ def tp(reps=2):
 def fsdp(reps=3):
     rows = []
     for i in range(reps):
-        (d, _), = rates(torchrun(2, "ddp.py", 128))
-        (f, line), = rates(torchrun(2, "fsdp.py", 128))
+        (d, _), = rates(torchrun(2, "ddp.py", 256))
+        (f, line), = rates(torchrun(2, "fsdp.py", 256))
         state = re.search(r"state ([0-9.]+ MiB/rank)", line).group(1)
         rows.append([str(i + 1), f"{d:.0f}", f"{f:.0f}", f"{f / d:.0%}", state])
-    table("FSDP against DDP, 2 ranks, batch 128 (samples/s)",
+    table("FSDP against DDP, 2 ranks, batch 256 (samples/s)",
           ["repetition", "DDP", "FSDP", "FSDP / DDP", "FSDP state per rank"], rows)
 
 
@@ -149,7 +149,7 @@ def checkpointing(reps=2):
                                              "peak MiB", "above batch 2, MiB"], rows)
 
 
-def compiled(reps=2):
+def compiled(reps=1):
     """torch.compile of each block, at the default size and at the performance size: samples/s
     (after 3 warm-up steps) and the first step, which pays the compile."""
     rows = []

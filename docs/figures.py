@@ -299,18 +299,18 @@ def main():
     args = parser.parse_args()
     if args.device == "cuda":
         with tempfile.TemporaryDirectory() as folder:
-            timelines(folder, batch=256 if args.quick else 1024, device="cuda")
+            timelines(folder, batch=64 if args.quick else 256, device="cuda")
         print("wrote", os.path.join("docs", "timeline-gpu.png"))
         return
     with tempfile.TemporaryDirectory() as folder:
         if args.quick:
             proof_finals, proof_finals64 = proof(8, [1, 8], folder)  # 8: the tests' horizon
             drift_finals = drift(60, [0, 1])
-            timelines(folder, batch=256)
+            timelines(folder, batch=16)
         else:
             proof_finals, proof_finals64 = proof(64, [1, 4, 16, 64], folder)
             drift_finals = drift(1000, [0, 1, 2, 3])
-            timelines(folder, batch=1024)
+            timelines(folder, batch=64)
     print("max weight difference from one device at the last step:")
     for label, d in proof_finals.items():
         print(f"  {label}: {d:.1e}" + (f", with --fp64 {proof_finals64[label]:.1e}"

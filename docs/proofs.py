@@ -44,6 +44,8 @@ ROWS = {  # label: (ranks under torchrun, or None for `python script`; script; f
                                                                     "--microbatches=6"]),
     "model parallel, 3 stages in one process": (None, "pipeline.py", ["--nproc=1",
                                                                       "--stages=3"]),
+    "single.py --compile --activation-checkpointing": (None, "single.py", [
+        "--compile", "--activation-checkpointing"]),
 }
 
 
