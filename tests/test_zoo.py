@@ -284,7 +284,8 @@ def test_a_fused_qkv_layer_cut_by_columns_mixes_q_k_and_v_from_the_first_step(la
     compute that loss exactly)."""
     out, _ = launched["TP: a fused qkv layer cut by columns"]
     first = logged_losses(out)[0]
-    assert abs(first - fp64_reference(SEED, 2, heads=HEADS)[2][0]) > 1e-3
+    # printed to 6 decimals (5e-7 of rounding); measured 2.1e-3 away (docs/exercises.md)
+    assert abs(first - fp64_reference(SEED, 2, heads=HEADS)[2][0]) > 1e-4
 
 
 def test_an_optimizer_built_before_fully_shard_trains_nothing(tmp_path):
