@@ -17,7 +17,7 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, refe
     assert max_diff(weights, reference[1]) < TOL
     assert_norms_are_the_oracles(out, reference[3])
     losses = logged_losses(out)
-    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
+    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.66 -> 3.50 in fp32)
     assert all(x > 0 for x in summary_numbers(out))
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
 

@@ -22,7 +22,7 @@ from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, 
                       refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
                       torchrun, torchrun_cmd)
 
-# bf16 compute, fp32 reduction and weights: the final loss measured 1.3e-4 from fp32's, relative.
+# bf16 compute, fp32 reduction and weights: the final loss measured 4.0e-5 from fp32's, relative.
 BF16_REL_TOL = 0.01
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -108,7 +108,7 @@ def reference_state():
 def test_bf16_mixed_precision_trains_to_the_fp32_loss(runs, reference):
     out = runs["1 rank, bf16"][0][0]
     losses = logged_losses(out)
-    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
+    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.66 -> 3.50 in fp32)
     assert losses[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
 
 

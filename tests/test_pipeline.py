@@ -57,7 +57,7 @@ def test_model_parallel_stages_in_one_process_equal_one_device(model_parallel, r
     assert "stages share a device" in out  # said once, on a machine with fewer devices
     assert max_diff(weights, reference[1]) < TOL
     losses = logged_losses(out)
-    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.63 -> 3.49 in fp32)
+    assert losses[-1] < losses[0] - 0.1  # it trains (JOB: 3.66 -> 3.50 in fp32)
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert_norms_are_the_oracles(out, reference[3])
 
