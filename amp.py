@@ -253,8 +253,8 @@ def train(args, device):
             # --- AMP: forward under autocast ---
             # Inside, matmuls (Linear) run in the 16-bit type. Which ops autocast keeps in
             # fp32 depends on the device's op lists: on CUDA, those that need range or add up
-            # many terms (softmax, layer_norm, sum, losses such as mse_loss); on the CPU with
-            # bf16, only a few (mse_loss does; softmax, sum and layer_norm stay bf16). Only
+            # many terms (softmax, layer_norm, sum, most losses); on the CPU with bf16, only a
+            # few (cross_entropy does; softmax, layer_norm and attention stay bf16). Only
             # forward goes inside: backward runs each op in the type its forward used.
             autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
             # Divided by K so that K micro-batch gradients add up to the mean over the
