@@ -257,7 +257,7 @@ def train(args, rank, world_size, device):
             # Keep only the block's input after forward; backward runs its forward again for
             # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
             # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
-            # docs/performance.md), at about one more forward's compute. Non-reentrant,
+            # docs/compile.md), at about one more forward's compute. Non-reentrant,
             # the current implementation. It wraps the forward, not the module, so parameter
             # names stay SimpleModel's and checkpoints and --save load with or without it.
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
