@@ -1,7 +1,7 @@
 """Measure the distances of docs/exercises.md: each mistake of the bug zoo (tests/test_zoo.py),
 and the correct script on the same flags, against one device, in fp32 and in fp64.
 
-    python docs/exercises.py       # about 4 minutes on 2 cores
+    python docs/exercises.py       # minutes: 40 launches
 
 Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 360, lr 0.03, hidden 24, 3 blocks of
 3 heads; 4 heads where TP cuts them in 2) on the zoo's seed, launched as the zoo launches it,

@@ -1,7 +1,7 @@
 """Measure the memory ladder of docs/memory.md: DDP, ZeRO-1, FSDP (reshard false and true) and
 HSDP, on 2 and 4 ranks, at a size where the training state dominates.
 
-    python docs/memory.py          # about 5 minutes on 2 cores; the table, and docs/memory.png
+    python docs/memory.py          # the table, and docs/memory.png
 
 Each configuration runs twice, launched as a user would (torchrun, OMP_NUM_THREADS=1):
   - once plain, for samples/s, the peak memory and the state each rank holds (the summary's

@@ -1,7 +1,7 @@
 """Measure the tables of docs/proofs.md: every strategy against the oracle (tests/reference.py),
 in fp32 on the tests' short job and in fp64 on the fp64 proof's flags, on two seeds.
 
-    python docs/proofs.py          # about 8 minutes on 2 cores
+    python docs/proofs.py          # some 50 launches
 
 Each run is launched as a user would (torchrun, or `python X.py` for one process), with the
 tests' flags (tests/conftest.py: JOB, and FP64_JOB with --fp64), saves its weights with --save,
