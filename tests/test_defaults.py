@@ -50,7 +50,7 @@ def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     # From ln(32) = 3.47 (guessing) to under half of it: the copied half of every sequence,
     # which only attention can predict, is learned (common.make_dataset; the floor is 1.52).
     assert losses[-1] < 0.5 * losses[0], losses
-    assert len(val_losses) == 4, val_losses  # --eval-every 50 of --steps 200
+    assert len(val_losses) == 4, val_losses  # --eval-every 25 of --steps 100
     assert val_losses[-1] < 0.5 * initial_val_loss(), val_losses
     assert val_losses == sorted(val_losses, reverse=True), val_losses  # and keeps falling
     assert summary_val_loss(out) == val_losses[-1]
