@@ -1,5 +1,6 @@
 """Launch the scripts as users do, with a timeout, and read back what they saved."""
 
+import concurrent.futures
 import contextlib
 import functools
 import importlib
@@ -122,23 +123,30 @@ def needs_2_gpus(test):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs on a CUDA GPU (python -m pytest -q -rs tests "
                                        "-m gpu; docs/gpu.md)")
+    # One thread for the runs in this process, as for every launched one (OMP_NUM_THREADS=1,
+    # start()): the queued launches below keep every core busy, and OpenMP's threads wait for
+    # each other at every op by spinning, so two threads on a shared core stall each other:
+    # measured, the in-process tests of test_amp.py took 263 s beside the queue, 8 s alone.
+    torch.set_num_threads(1)
 
 
-def start(*cmd, env=None, merge_stderr=False):
+def start(*cmd, env=None, merge_stderr=False, nice=0):
     """Start a command from the repo root, in a process group of its own (see finish).
 
     A CPU run (--device=cpu) is shown no GPU (CUDA_VISIBLE_DEVICES=""): torch takes a GPU's
     CUDA context, streams and RNG in places (DCP's writer, TorchDynamo) whenever one is
     visible, even for CPU tensors, and on a GPU machine every CPU rank of the suite would
     crowd onto GPU 0. What the scripts do where a GPU *is* visible and --device cpu is asked
-    for is proven in process, with the GPU faked (tests/test_gpu_logic.py)."""
+    for is proven in process, with the GPU faked (tests/test_gpu_logic.py). `nice`: a lower
+    priority, which the command's workers inherit."""
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if "--device=cpu" in map(str, cmd) else {}
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **cpu_only,
                 **(env or {})}
     return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=full_env, text=True,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def finish(proc, timeout=90):
@@ -169,41 +177,60 @@ def launch_together(commands, timeout=150, env=None):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-# Launches a test module asks for early: started as soon as the tests are collected, they run
-# beside the tests that run in this process (on one core), so the suite ends sooner on a small
-# machine. A module offers them as early_launches(folder) -> (commands, env); its fixture takes
-# the results with early_results(its __name__).
-EARLY = {}
+# Launches the test modules ask for early, as early_launches(folder) -> (commands, env), each
+# module's fixture taking the results with early_results(its __name__). They are queued, in
+# the order the modules' tests run, as soon as the tests are collected, and LAUNCH_SLOTS of
+# them run at a time beside the tests that run in this process: on a 2-core machine the
+# cores never wait for a test to start the next launch, and the suite ends minutes sooner.
+# They run at a lower priority (nice): a test waiting in this process, or on a launch of its
+# own, goes first, and the queue takes what CPU is left; otherwise ten queued workers would
+# leave this process a tenth of a core and every in-process test would wait for the whole
+# queue. So a queued launch may take longer than one a test starts: its timeout is longer, and
+# counts from its own start, not from when the queue reaches it.
+LAUNCH_SLOTS = 3
+QUEUED_TIMEOUT = 300
+EARLY = {}  # module name: (folder, futures of its results, in order)
 EARLY_FOLDERS = []
+QUEUE = concurrent.futures.ThreadPoolExecutor(max_workers=LAUNCH_SLOTS)
+RUNNING = set()  # queued launches started and not yet finished, to stop at the end
+
+
+def run_queued(cmd, env, timeout):
+    proc = start(*cmd, env=env, nice=10)
+    RUNNING.add(proc)
+    try:
+        return finish(proc, timeout)
+    finally:
+        RUNNING.discard(proc)
 
 
 def pytest_collection_finish(session):
-    for module in {item.module for item in session.items if hasattr(item, "module")}:
+    modules = {}  # in the order their tests run
+    for item in session.items:
+        if getattr(item, "module", None) is not None:
+            modules.setdefault(item.module.__name__, item.module)
+    for module in modules.values():
         if hasattr(module, "early_launches"):
             folder = Path(tempfile.mkdtemp(prefix=f"{module.__name__}-"))
             EARLY_FOLDERS.append(folder)
             commands, env = module.early_launches(folder)
-            EARLY[module.__name__] = folder, [start(*cmd, env=env) for cmd in commands]
+            EARLY[module.__name__] = folder, [QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT)
+                                              for cmd in commands]
 
 
 def pytest_sessionfinish(session):
-    for folder, procs in EARLY.values():  # launched, never collected (-x, say): stop them
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    QUEUE.shutdown(wait=False, cancel_futures=True)  # queued, never collected (-x, say)
+    for proc in list(RUNNING):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     for folder in EARLY_FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def early_results(module_name, timeout=150):
+def early_results(module_name):
     """(folder, results in order) of the launches `module_name` asked for early."""
-    folder, procs = EARLY.pop(module_name)
-    try:
-        return folder, [finish(proc, timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    folder, futures = EARLY.pop(module_name)
+    return folder, [future.result() for future in futures]
 
 
 def python_cmd(script, *args):
@@ -224,17 +251,29 @@ def torchrun(nproc, script, *args, **kw):
     return launch(*torchrun_cmd(nproc, script, *args), **kw)
 
 
-def launch_runs(script, runs, folder):
-    """Launch every run of `runs` at once. `runs` is {name: (N, flags)}: N ranks under torchrun,
-    or N = None for `python script`; each run trains JOB with its flags ("{folder}" in a flag
-    stands for `folder`) and saves its weights. Return {name: (result, path it saved to)}."""
+def run_commands(script, runs, folder):
+    """The commands of `runs` ({name: (N, flags)}: N ranks under torchrun, or N = None for
+    `python script`) and the files they save to. Each run trains JOB with its flags ("{folder}"
+    in a flag stands for `folder`) and saves its weights."""
     commands, paths = [], []
     for i, (nproc, flags) in enumerate(runs.values()):
         paths.append(folder / f"{i}.pt")
         args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags), f"--save={paths[-1]}"]
         commands.append(python_cmd(script, *args) if nproc is None
                         else torchrun_cmd(nproc, script, *args))
-    return dict(zip(runs, zip(launch_together(commands), paths)))
+    return commands, paths
+
+
+def early_runs(script, runs):
+    """A module's early_launches for `runs` (see run_commands); its fixture takes them with
+    launched_runs."""
+    return lambda folder: (run_commands(script, runs, folder)[0], None)
+
+
+def launched_runs(module_name, script, runs):
+    """{name: (result, path it saved to)} of the runs early_runs(script, runs) launched."""
+    folder, results = early_results(module_name)
+    return dict(zip(runs, zip(results, run_commands(script, runs, folder)[1])))
 
 
 def run_in_process(script, flags, folder):

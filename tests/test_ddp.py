@@ -10,12 +10,11 @@ from torch.utils.data import DistributedSampler
 
 from common import SimpleModel, make_dataset
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL,
-                      VAL_TOL, assert_fp64_run_equals_the_fp64_oracle,
-                      assert_gpu_run_equals_oracle, assert_norms_are_the_oracles, assert_profiled,
-                      fails_clearly, fp64, launch_runs, load_saved, logged_losses,
-                      logged_val_losses, max_diff, needs_2_gpus, needs_cuda, ok, python,
-                      refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
-                      torchrun)
+                      VAL_TOL, assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, assert_profiled, early_runs, fails_clearly,
+                      fp64, launched_runs, load_saved, logged_losses, logged_val_losses, max_diff,
+                      needs_2_gpus, needs_cuda, ok, python, refused_in_one_line, run_as_only_rank,
+                      succeeded, summary_val_loss, torchrun)
 from reference import reference_val_loss, token_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -39,9 +38,12 @@ FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC, zero1": (SEED_A, None),
              "fp64, spawn 4 ranks, clip": (SEED_B, FP64_CLIP)}  # name: (seed, clip)
 
 
+early_launches = early_runs("ddp.py", RUNS)  # queued when the tests are collected
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_runs("ddp.py", RUNS, tmp_path_factory.mktemp("ddp"))
+def runs():
+    return launched_runs(__name__, "ddp.py", RUNS)
 
 
 def state_mib(stdout):

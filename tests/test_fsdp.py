@@ -17,10 +17,10 @@ from common import SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, assert_profiled, fp64, launch_runs,
-                      launch_together, logged_losses, max_diff, needs_cuda, ok,
-                      refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
-                      torchrun, torchrun_cmd)
+                      assert_norms_are_the_oracles, assert_profiled, early_runs, fp64,
+                      launch_together, launched_runs, logged_losses, max_diff, needs_cuda, ok,
+                      refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss, torchrun,
+                      torchrun_cmd)
 
 # bf16 compute, fp32 reduction and weights: the final loss measured 4.0e-5 from fp32's, relative.
 BF16_REL_TOL = 0.01
@@ -51,10 +51,13 @@ FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": (SEED_A, None),  # name: (se
              "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip": (SEED_B, FP64_CLIP)}
 
 
+early_launches = early_runs("fsdp.py", RUNS)  # queued when the tests are collected
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp")
-    launched = launch_runs("fsdp.py", RUNS, folder)
+    launched = launched_runs(__name__, "fsdp.py", RUNS)
     # one rank, as torchrun's only worker, in this process: bf16 compute, fp32 state
     return {**launched, "1 rank, bf16": ((run_as_only_rank(
         "fsdp", ["--mixed-precision=bf16"], folder)), None)}

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from conftest import FP64_TOL, REPO, fp64, launch_together, load_saved, logged_losses, max_diff
-from conftest import ok, python_cmd, torchrun_cmd
+from conftest import (FP64_TOL, REPO, early_results, fp64, load_saved, logged_losses, max_diff, ok,
+                      python_cmd, torchrun_cmd)
 
 # What the section tells a user to write at the end of common.py (the scripts import these
 # names from it, so they now get the user's).
@@ -16,19 +16,24 @@ SWAP = "\nfrom user_model import SimpleModel, flops_per_sample, loss_fn, make_da
 FLAGS = [*fp64(1), "--hidden=32", "--blocks=3", "--device=cpu"]
 
 
-@pytest.fixture(scope="module")
-def own_model_runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("own")
+RUNS = {"single": lambda folder: python_cmd(folder / "single.py"),
+        "ddp": lambda folder: torchrun_cmd(2, folder / "ddp.py"),
+        "fsdp": lambda folder: python_cmd(folder / "fsdp.py", "--nproc=2")}
+
+
+def early_launches(folder):  # queued when the tests are collected (conftest.py)
     for script in ("single.py", "ddp.py", "fsdp.py"):
         shutil.copy(REPO / script, folder)
     shutil.copy(REPO / "tests" / "user_model.py", folder)
     (folder / "common.py").write_text((REPO / "common.py").read_text() + SWAP)
-    runs = {"single": python_cmd(folder / "single.py"),
-            "ddp": torchrun_cmd(2, folder / "ddp.py"),
-            "fsdp": python_cmd(folder / "fsdp.py", "--nproc=2")}
-    results = launch_together([[*cmd, *FLAGS, f"--save={folder / name}.pt"]
-                               for name, cmd in runs.items()])
-    return {name: (ok(result), folder / f"{name}.pt") for name, result in zip(runs, results)}
+    return [[*cmd(folder), *FLAGS, f"--save={folder / name}.pt"]
+            for name, cmd in RUNS.items()], None
+
+
+@pytest.fixture(scope="module")
+def own_model_runs():
+    folder, results = early_results(__name__)
+    return {name: (ok(result), folder / f"{name}.pt") for name, result in zip(RUNS, results)}
 
 
 def test_a_users_mlp_trains_in_single_ddp_and_fsdp(own_model_runs):

@@ -8,8 +8,8 @@ import pytest
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, assert_profiled, fp64, launch_runs,
-                      logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
+                      assert_norms_are_the_oracles, assert_profiled, early_runs, fp64,
+                      launched_runs, logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
                       refused_in_one_line, run_as_only_rank, run_in_process, succeeded,
                       summary_val_loss, torchrun)
 from reference import reference_train
@@ -34,9 +34,12 @@ FP64_RUNS = {"fp64, 3 stages, 1f1b, AC": (SEED_A, None),  # name: (seed, clip)
              "fp64, 2 stages, gpipe, clip": (SEED_B, FP64_CLIP)}
 
 
+early_launches = early_runs("pipeline.py", RUNS)  # queued when the tests are collected
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_runs("pipeline.py", RUNS, tmp_path_factory.mktemp("pipeline"))
+def runs():
+    return launched_runs(__name__, "pipeline.py", RUNS)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from common import SEQ_LEN, VOCAB, SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, fp64, launch_runs, logged_losses, max_diff,
-                      needs_cuda, refused_in_one_line, succeeded, summary_val_loss, torchrun)
+                      assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
+                      max_diff, needs_cuda, refused_in_one_line, succeeded, summary_val_loss,
+                      torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
@@ -42,9 +43,12 @@ FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
              zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
 
 
+early_launches = early_runs("tp.py", RUNS)  # queued when the tests are collected
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch_runs("tp.py", RUNS, tmp_path_factory.mktemp("tp"))
+def runs():
+    return launched_runs(__name__, "tp.py", RUNS)
 
 
 def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, reference,
