@@ -5,6 +5,7 @@ import contextlib
 import functools
 import importlib
 import io
+import itertools
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -128,9 +130,11 @@ def pytest_configure(config):
     # each other at every op by spinning, so two threads on a shared core stall each other:
     # measured, the in-process tests of test_amp.py took 263 s beside the queue, 8 s alone.
     torch.set_num_threads(1)
+    global PRELOADED
+    PRELOADED = Preloaded()  # imports torch while the tests are collected
 
 
-def start(*cmd, env=None, merge_stderr=False, nice=0):
+def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
     """Start a command from the repo root, in a process group of its own (see finish).
 
     A CPU run (--device=cpu) is shown no GPU (CUDA_VISIBLE_DEVICES=""): torch takes a GPU's
@@ -138,15 +142,120 @@ def start(*cmd, env=None, merge_stderr=False, nice=0):
     visible, even for CPU tensors, and on a GPU machine every CPU rank of the suite would
     crowd onto GPU 0. What the scripts do where a GPU *is* visible and --device cpu is asked
     for is proven in process, with the GPU faked (tests/test_gpu_logic.py). `nice`: a lower
-    priority, which the command's workers inherit."""
-    cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if "--device=cpu" in map(str, cmd) else {}
+    priority, which the command's workers inherit. A CPU run of a script (`python X.py`, or
+    ranks_cmd's ranks) is forked by tests/preloaded.py unless `preloaded` is False: it starts
+    with torch imported; the result is read as from a Popen (Forked)."""
+    cmd = list(map(str, cmd))
+    cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if "--device=cpu" in cmd else {}
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **cpu_only,
                 **(env or {})}
-    return subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=full_env, text=True,
-                            stdout=subprocess.PIPE,
+    if cmd[0] == RANKS or (preloaded and cpu_only and cmd[0] == sys.executable
+                           and cmd[1].endswith(".py")):
+        return PRELOADED.start(cmd, full_env, merge_stderr, nice)
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             start_new_session=True,
                             preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+
+RANKS = "ranks"
+LAUNCH_IDS = itertools.count()
+PRELOADED = None  # the Preloaded client, from pytest_configure
+
+
+def ranks_cmd(nproc, script, *args):
+    """`nproc` ranks of `script` on the CPU, started as torchrun starts its workers (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and its agent's store, which this process hosts),
+    each forked by tests/preloaded.py. For the proofs; what torchrun itself does (its agent,
+    its restarts, its reports) is proven with the real one (torchrun_cmd)."""
+    assert "--device=cpu" in map(str, args), "ranks_cmd starts CPU runs only"
+    return [RANKS, f"--nproc={nproc}", str(script), *args]
+
+
+class Forked:
+    """A command tests/preloaded.py started: what finish() and kill() use of a Popen."""
+
+    def __init__(self, args, folder, merge_stderr, store=None):
+        self.args, self.folder, self.merge_stderr = args, folder, merge_stderr
+        self.store = store  # the agent's store of ranks_cmd's ranks, held until they end
+        self.done = concurrent.futures.Future()  # its exit status, from the reader
+        self.returncode = None
+
+    def poll(self):
+        return self.done.result() if self.done.done() else None
+
+    def communicate(self, timeout=None):
+        try:
+            self.returncode = self.done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
+        self.store = None
+        out = (self.folder / "out").read_text(errors="replace")
+        err = None if self.merge_stderr else (self.folder / "err").read_text(errors="replace")
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return out, err
+
+
+class Preloaded:
+    """The client of tests/preloaded.py's server, started once, when the tests start."""
+
+    def __init__(self):
+        self.server = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("preloaded.py"))], cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        self.launches, self.lock = {}, threading.Lock()
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        for line in self.server.stdout:
+            reply = json.loads(line)
+            self.launches.pop(reply["id"]).done.set_result(reply["rc"])
+        for launch_ in list(self.launches.values()):  # the server died: fail, do not hang
+            launch_.done.set_result(-signal.SIGKILL)
+
+    def send(self, message):
+        with self.lock:
+            self.server.stdin.write(json.dumps(message).encode() + b"\n")
+            self.server.stdin.flush()
+
+    def start(self, cmd, env, merge_stderr, nice):
+        folder = Path(tempfile.mkdtemp(prefix="forked-"))
+        store = None
+        if cmd[0] == RANKS:
+            nproc, argv = int(cmd[1].removeprefix("--nproc=")), cmd[2:]
+            store = torch.distributed.TCPStore("127.0.0.1", 0, nproc, is_master=True,
+                                               wait_for_workers=False)
+            procs = [{"argv": argv, "env": {
+                **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0"}} for r in range(nproc)]
+        else:
+            procs = [{"argv": cmd[1:], "env": env}]
+        launch_ = Forked(cmd, folder, merge_stderr, store)
+        with self.lock:
+            launch_.id = next(LAUNCH_IDS)
+            self.launches[launch_.id] = launch_
+        self.send({"id": launch_.id, "cwd": str(REPO), "out": str(folder / "out"),
+                   "err": None if merge_stderr else str(folder / "err"), "nice": nice,
+                   "procs": procs})
+        return launch_
+
+    def kill(self, launch_):
+        self.send({"kill": launch_.id})
+
+    def stop(self):
+        self.server.stdin.close()  # the server kills what it started, and exits
+        self.server.wait(timeout=30)
+
+
+def kill(proc):
+    """SIGKILL a started command and every process it started."""
+    if isinstance(proc, Forked):
+        PRELOADED.kill(proc)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def finish(proc, timeout=90):
@@ -155,7 +264,7 @@ def finish(proc, timeout=90):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill(proc)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(proc.args)} still running after {timeout}s\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -174,7 +283,7 @@ def launch_together(commands, timeout=150, env=None):
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill(proc)
 
 
 # Launches the test modules ask for early, as early_launches(folder) -> (commands, env), each
@@ -222,7 +331,9 @@ def pytest_sessionfinish(session):
     QUEUE.shutdown(wait=False, cancel_futures=True)  # queued, never collected (-x, say)
     for proc in list(RUNNING):
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill(proc)
+    if PRELOADED is not None:
+        PRELOADED.stop()
     for folder in EARLY_FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -252,7 +363,7 @@ def torchrun(nproc, script, *args, **kw):
 
 
 def run_commands(script, runs, folder):
-    """The commands of `runs` ({name: (N, flags)}: N ranks under torchrun, or N = None for
+    """The commands of `runs` ({name: (N, flags)}: N ranks (ranks_cmd), or N = None for
     `python script`) and the files they save to. Each run trains JOB with its flags ("{folder}"
     in a flag stands for `folder`) and saves its weights."""
     commands, paths = [], []
@@ -260,7 +371,7 @@ def run_commands(script, runs, folder):
         paths.append(folder / f"{i}.pt")
         args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags), f"--save={paths[-1]}"]
         commands.append(python_cmd(script, *args) if nproc is None
-                        else torchrun_cmd(nproc, script, *args))
+                        else ranks_cmd(nproc, script, *args))
     return commands, paths
 
 
@@ -312,7 +423,7 @@ def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed, c
     runs = {key: value if isinstance(value, tuple) else (value, seed, clip)
             for key, value in checkpoints.items()}
     resumed = launch_together([
-        torchrun_cmd(nproc, script, *JOB_FLAGS, *fp64(seed_, steps + 8, clip_), *extra,
+        ranks_cmd(nproc, script, *JOB_FLAGS, *fp64(seed_, steps + 8, clip_), *extra,
                      f"--checkpoint={path}", f"--save={folder / f'w{i}.pt'}")
         for i, ((nproc, *extra), (path, seed_, clip_)) in enumerate(runs.items())])
     for i, (result, (_, seed_, clip_)) in enumerate(zip(resumed, runs.values())):
@@ -461,7 +572,7 @@ def worker_pids(launcher_pid, script):
 def launch_and_kill_a_worker(*cmd, script, when, timeout=90):
     """Start `cmd`; once a line of its output contains `when`, SIGKILL its last worker.
     Return (CompletedProcess with stdout and stderr together, seconds from kill to exit)."""
-    proc = start(*cmd, merge_stderr=True)
+    proc = start(*cmd, merge_stderr=True, preloaded=False)  # a Popen: its stdout, its children
     lines, killed_at = [], None
     deadline = time.monotonic() + timeout
     try:

@@ -19,22 +19,22 @@ from reference import reference_val_loss, token_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
-# name: (ranks under torchrun, or None for `python ddp.py`; extra flags). Each trains JOB, or
-# FP64_JOB where the flags say fp64(seed). One rank: the resume test, which continues on 1.
+# name: (ranks, conftest.ranks_cmd, or None for `python ddp.py`; extra flags). Each trains JOB,
+# or FP64_JOB where the flags say fp64(seed). One rank: the resume test, which continues on 1.
 RUNS = {
     # fp32, what users run: the short job (and traces steps 5-7)
-    "torchrun 2 ranks": (2, ["--profile={folder}/trace"]),
-    "torchrun 2 ranks, zero1": (2, ["--zero1"]),  # Adam's state sharded over the 2 ranks
+    "2 ranks": (2, ["--profile={folder}/trace"]),
+    "2 ranks, zero1": (2, ["--zero1"]),  # Adam's state sharded over the 2 ranks
     # fp64 on odd flags: 3 ranks (the held-out set pads), 3 micro-batches, blocks that recompute
     # their activations (compiled: tp.py's spawn run and single.py), ZeRO-1, and a checkpoint at
     # the end, which 1 rank continues without ZeRO-1
-    "fp64, torchrun 3 ranks, accum 3, AC, zero1": (3, [*fp64(SEED_A), "--accum-steps=3",
+    "fp64, 3 ranks, accum 3, AC, zero1": (3, [*fp64(SEED_A), "--accum-steps=3",
                                                        "--activation-checkpointing", "--zero1",
                                                        "--checkpoint={folder}/ckpt.pt"]),
     # `python ddp.py` starts 4, which clip the gradient at every step
     "fp64, spawn 4 ranks, clip": (None, ["--nproc=4", *fp64(SEED_B, clip=FP64_CLIP)]),
 }
-FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC, zero1": (SEED_A, None),
+FP64_RUNS = {"fp64, 3 ranks, accum 3, AC, zero1": (SEED_A, None),
              "fp64, spawn 4 ranks, clip": (SEED_B, FP64_CLIP)}  # name: (seed, clip)
 
 
@@ -55,7 +55,7 @@ def weights(runs, name):
 
 
 def test_ddp_on_2_ranks_equals_one_device_in_fp32(runs, reference):
-    out, weights_ = succeeded(runs["torchrun 2 ranks"])
+    out, weights_ = succeeded(runs["2 ranks"])
     assert max_diff(weights_, reference[1]) < TOL
     assert_norms_are_the_oracles(out, reference[3])
 
@@ -64,9 +64,9 @@ def test_zero1_on_2_ranks_equals_one_device_and_holds_8_plus_8_over_2_bytes_per_
                                                                                        reference):
     """Adam's moments (8 of the 16 bytes per fp32 weight) dealt over 2 ranks: 12 bytes per
     weight on each, as far as the greedy split by size balances them."""
-    out, weights_ = succeeded(runs["torchrun 2 ranks, zero1"])
+    out, weights_ = succeeded(runs["2 ranks, zero1"])
     assert max_diff(weights_, reference[1]) < TOL
-    plain = state_mib(succeeded(runs["torchrun 2 ranks"])[0])
+    plain = state_mib(succeeded(runs["2 ranks"])[0])
     assert state_mib(out) == pytest.approx(plain * 12 / 16, rel=0.05)
 
 
@@ -80,13 +80,13 @@ def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_zero1_or_clipping_equals_th
 
 
 def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs, reference):
-    losses = logged_losses(succeeded(runs["torchrun 2 ranks"])[0])
+    losses = logged_losses(succeeded(runs["2 ranks"])[0])
     assert losses[0] == pytest.approx(reference[2][0], abs=1e-5)
     assert losses[-1] == pytest.approx(reference[2][-1], abs=1e-5)
 
 
 def test_validation_loss_is_the_exact_mean_over_the_held_out_set_on_2_ranks(runs, reference_val):
-    out = succeeded(runs["torchrun 2 ranks"])[0]
+    out = succeeded(runs["2 ranks"])[0]
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert logged_val_losses(out)[-1] == summary_val_loss(out)
 
@@ -111,7 +111,7 @@ def test_three_ranks_pad_the_held_out_set_so_averaging_rank_means_would_be_wrong
 def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_all_reduce_of_every_step(
         runs):
     """And the profiled run still ends with the oracle's weights (the tests above)."""
-    assert_profiled(runs["torchrun 2 ranks"][1].parent / "trace", 2, "forward", "backward",
+    assert_profiled(runs["2 ranks"][1].parent / "trace", 2, "forward", "backward",
                     "optimizer step", ("gloo:all_reduce", "nccl:all_reduce"))
 
 
@@ -120,7 +120,7 @@ def test_fp64_zero1_checkpoint_from_3_ranks_resumes_on_1_rank_without_zero1(runs
     continued to step 48 on 1 rank with plain Adam (torchrun's only worker, in this process),
     ends within 1e-9 of 48 uninterrupted steps on one device (and proves 1-rank DDP too).
     Nothing in the file depends on the world size or on --zero1."""
-    shutil.copy(runs["fp64, torchrun 3 ranks, accum 3, AC, zero1"][1].parent / "ckpt.pt",
+    shutil.copy(runs["fp64, 3 ranks, accum 3, AC, zero1"][1].parent / "ckpt.pt",
                 tmp_path / "c1.pt")
     steps = FP64_JOB["steps"] + 8
     out, resumed = run_as_only_rank("ddp", [*fp64(SEED_A, steps=steps),
@@ -131,7 +131,7 @@ def test_fp64_zero1_checkpoint_from_3_ranks_resumes_on_1_rank_without_zero1(runs
 
 def test_every_layer_is_trained(runs, reference):
     """Gradients reach every parameter: each tensor moved away from its initial value."""
-    initial, final = reference[0], weights(runs, "torchrun 2 ranks")
+    initial, final = reference[0], weights(runs, "2 ranks")
     for name in final:
         assert (final[name] - initial[name]).abs().max() > 1e-4, f"{name} did not train"
 

@@ -27,13 +27,13 @@ BF16_REL_TOL = 0.01
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
-RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra flags)
+RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python fsdp.py`; extra flags)
     # fp32, what users run: the short job; also writes a sharded checkpoint every 4 steps,
     # which the damaged-checkpoint tests below break in every way
-    "torchrun 2 ranks": (2, ["--checkpoint={folder}/ckpt", "--checkpoint-every=4"]),
+    "2 ranks": (2, ["--checkpoint={folder}/ckpt", "--checkpoint-every=4"]),
     # fp64 on odd flags: uneven shards (32 rows as 11, 11, 10), 3 micro-batches, recomputing
     # inside them, traces steps 5-7; a checkpoint at steps 20 and 40, continued on 2 ranks
-    "fp64, torchrun 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
+    "fp64, 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
                                                 "--activation-checkpointing",
                                                 "--profile={folder}/trace",
                                                 "--checkpoint={folder}/ckpt64",
@@ -47,7 +47,7 @@ RUNS = {  # name: (ranks under torchrun, or None for `python fsdp.py`; extra fla
         "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), "--replicate=2",
         "--reshard-after-forward=false", "--checkpoint={folder}/hsdp"]),
 }
-FP64_RUNS = {"fp64, torchrun 3 ranks, accum 3, AC": (SEED_A, None),  # name: (seed, clip)
+FP64_RUNS = {"fp64, 3 ranks, accum 3, AC": (SEED_A, None),  # name: (seed, clip)
              "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip": (SEED_B, FP64_CLIP)}
 
 
@@ -68,7 +68,7 @@ def state_mib(stdout):
 
 
 def test_fsdp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val):
-    out, weights = succeeded(runs["torchrun 2 ranks"])  # --save: a plain state_dict, strict
+    out, weights = succeeded(runs["2 ranks"])  # --save: a plain state_dict, strict
     assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
@@ -88,7 +88,7 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_
         runs):
     """FSDP all-gathers each block's weights and reduce-scatters its gradients (over gloo,
     which has no reduce-scatter, as an all-reduce). The run still equals one device (above)."""
-    trace = runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "trace"
+    trace = runs["fp64, 3 ranks, accum 3, AC"][1].parent / "trace"
     assert_profiled(trace, 3, "forward", "backward", "optimizer step",
                     ("gloo:all_gather", "nccl:all_gather"),
                     ("gloo:all_reduce", "nccl:reduce_scatter"))
@@ -97,7 +97,7 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_
 def test_each_rank_holds_a_1_over_n_share_of_the_training_state(runs):
     # (bf16 computes in bf16 copies; the sharded weights and Adam's state stay fp32)
     one = state_mib(runs["1 rank, bf16"][0][0])
-    two = state_mib(succeeded(runs["torchrun 2 ranks"])[0])
+    two = state_mib(succeeded(runs["2 ranks"])[0])
     assert two == pytest.approx(one / 2, rel=0.01)
     # weights + gradients + Adam's two moments: 4 fp32 numbers per parameter
     n_params = sum(v.numel() for v in reference_state().values())
@@ -121,7 +121,7 @@ def test_fp64_checkpoints_of_fsdp_and_hsdp_resume_on_2_ranks_as_each_other(runs,
     shards cut anew, the gathered weights kept from forward to backward), each end within
     1e-9 of 48 uninterrupted steps on one device. (1 rank: ddp.py's resume test; tp.py's
     resumes change the mesh.)"""
-    ckpt = runs["fp64, torchrun 3 ranks, accum 3, AC"][1].parent / "ckpt64"
+    ckpt = runs["fp64, 3 ranks, accum 3, AC"][1].parent / "ckpt64"
     # step 20 was written, then replaced by step 40 once that was complete
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000040"]
     shutil.copytree(ckpt, tmp_path / "c2")
@@ -138,12 +138,12 @@ def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(r
     """What the docstring's `python -m torch.distributed.checkpoint.format_utils dcp_to_torch`
     calls: the 2-rank run's checkpoint, merged, holds the run's final weights."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
+    ckpt = runs["2 ranks"][1].parent / "ckpt"
     dcp_to_torch_save(ckpt / (ckpt / "latest").read_text(), tmp_path / "full.pt")
     merged = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
     model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
     model.load_state_dict(merged, strict=True)
-    assert max_diff(model.state_dict(), succeeded(runs["torchrun 2 ranks"])[1]) == 0.0
+    assert max_diff(model.state_dict(), succeeded(runs["2 ranks"])[1]) == 0.0
 
 
 @pytest.mark.parametrize("content, message", [
@@ -247,7 +247,7 @@ def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_noth
     """load_sharded (common.py) checks the index and the shards on every rank before the
     collective load: the same files, the same ValueError on every rank."""
     marker = tmp_path / "ran"
-    copy = damage(runs["torchrun 2 ranks"][1].parent / "ckpt", case, tmp_path / "c", marker)
+    copy = damage(runs["2 ranks"][1].parent / "ckpt", case, tmp_path / "c", marker)
     before = files(copy)
     def refuse(why):
         raise ValueError(why)
@@ -270,7 +270,7 @@ def test_damaged_or_hostile_checkpoint_stops_every_rank_in_one_line_on_both_laun
         runs, tmp_path):
     """`python fsdp.py` ends with the line (exit 1, no traceback); under torchrun the line is
     the Root Cause. Nothing hostile runs and the folder is left as it was."""
-    ckpt = runs["torchrun 2 ranks"][1].parent / "ckpt"
+    ckpt = runs["2 ranks"][1].parent / "ckpt"
     cases, commands = [], []
     for i, ((launcher, case), message) in enumerate(LAUNCHED_DAMAGE.items()):
         marker = tmp_path / f"ran{i}"

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from conftest import (FP64_TOL, REPO, early_results, fp64, load_saved, logged_losses, max_diff, ok,
-                      python_cmd, torchrun_cmd)
+                      python_cmd, ranks_cmd)
 
 # What the section tells a user to write at the end of common.py (the scripts import these
 # names from it, so they now get the user's).
@@ -16,9 +16,9 @@ SWAP = "\nfrom user_model import SimpleModel, flops_per_sample, loss_fn, make_da
 FLAGS = [*fp64(1), "--hidden=32", "--blocks=3", "--device=cpu"]
 
 
-RUNS = {"single": lambda folder: python_cmd(folder / "single.py"),
-        "ddp": lambda folder: torchrun_cmd(2, folder / "ddp.py"),
-        "fsdp": lambda folder: python_cmd(folder / "fsdp.py", "--nproc=2")}
+RUNS = {"single": lambda folder, *flags: python_cmd(folder / "single.py", *flags),
+        "ddp": lambda folder, *flags: ranks_cmd(2, folder / "ddp.py", *flags),
+        "fsdp": lambda folder, *flags: python_cmd(folder / "fsdp.py", "--nproc=2", *flags)}
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)
@@ -26,7 +26,7 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
         shutil.copy(REPO / script, folder)
     shutil.copy(REPO / "tests" / "user_model.py", folder)
     (folder / "common.py").write_text((REPO / "common.py").read_text() + SWAP)
-    return [[*cmd(folder), *FLAGS, f"--save={folder / name}.pt"]
+    return [cmd(folder, *FLAGS, f"--save={folder / name}.pt")
             for name, cmd in RUNS.items()], None
 
 

@@ -16,7 +16,7 @@ from reference import reference_train
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
-RUNS = {  # name: (stages: ranks under torchrun; flags). Each schedule in fp32 and fp64.
+RUNS = {  # name: (stages: ranks, conftest.ranks_cmd; flags). Each schedule in fp32 and fp64.
     # fp32, what users run: the short job; traces steps 5-7, and writes a checkpoint every 4
     # steps, which single.py continues below
     "2 stages, gpipe": (2, ["--schedule=gpipe", "--microbatches=4", "--profile={folder}/trace",

@@ -23,13 +23,13 @@ SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 # TP cuts whole heads, so T must divide --heads: JOB's 3 heads on TP 3 (one head per rank), and
 # 4 heads (JOB's width, 24, in heads of 6) where T is 2 or 4.
 HEADS = 4
-RUNS = {  # name: (ranks under torchrun, or None for `python tp.py`; extra flags)
+RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra flags)
     # fp32, what users run: pure TP, each block cut in 3 (one head per rank), on the short job
-    "torchrun 3 ranks, tp 3": (3, []),
+    "3 ranks, tp 3": (3, []),
     # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, 2 micro-batches, and
     # clipping (the cut layers' gradients on the 2D mesh, the rest on "dp" only); its
     # checkpoint (step 40) is continued as TP 4 below
-    "fp64, torchrun 4 ranks, 2D 2x2, accum 2, clip": (4, [
+    "fp64, 4 ranks, 2D 2x2, accum 2, clip": (4, [
         *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--accum-steps=2",
         "--checkpoint={folder}/2d"]),
     # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
@@ -53,7 +53,7 @@ def runs():
 
 def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, reference,
                                                                     reference_val):
-    out, weights = succeeded(runs["torchrun 3 ranks, tp 3"])  # --save: a plain state_dict
+    out, weights = succeeded(runs["3 ranks, tp 3"])  # --save: a plain state_dict
     assert max_diff(weights, reference[1]) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
@@ -71,7 +71,7 @@ def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
     continued to step 48 as pure TP 4 (each block cut in 4 over a 1x4 mesh, the input and
     output layers whole), clipping as it did, ends within 1e-9 of 48 uninterrupted steps on
     one device."""
-    folder = runs["torchrun 3 ranks, tp 3"][1].parent
+    folder = runs["3 ranks, tp 3"][1].parent
     shutil.copytree(folder / "2d", tmp_path / "on4")
     assert_checkpoints_resume_to_the_oracle("tp.py", {(4, f"--heads={HEADS}"): tmp_path / "on4"},
                                             tmp_path, SEED_A, FP64_CLIP, heads=HEADS)
@@ -96,8 +96,8 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
     cut = sum(p.numel() for name, p in model.named_parameters() if cut_by_tp(name))
     whole = sum(p.numel() for p in model.parameters()) - cut
     expect = {  # name: (bytes per number, parameters held)
-        "torchrun 3 ranks, tp 3": (4, cut / 3 + whole),
-        "fp64, torchrun 4 ranks, 2D 2x2, accum 2, clip": (8, cut / 4 + whole / 2)}
+        "3 ranks, tp 3": (4, cut / 3 + whole),
+        "fp64, 4 ranks, 2D 2x2, accum 2, clip": (8, cut / 4 + whole / 2)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,
                                                                     abs=1e-3), name

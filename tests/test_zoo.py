@@ -19,8 +19,8 @@ import torch
 from common import SimpleModel
 from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL,
                       early_results, fp64, fp64_reference, load_saved, logged_losses,
-                      logged_norms, max_diff, ok, run_as_only_rank, run_in_process,
-                      summary_val_loss, torchrun_cmd)
+                      logged_norms, max_diff, ok, ranks_cmd, run_as_only_rank, run_in_process,
+                      summary_val_loss)
 from reference import reference_val_loss
 from test_amp import _scaled_backward
 
@@ -168,7 +168,7 @@ def early_launches(folder):
     commands = []
     for i, (name, (nproc, flags)) in enumerate(LAUNCHED.items()):
         path = mutant(name, folder / f"m{i}")
-        commands.append(torchrun_cmd(nproc, path, *JOB_FLAGS, *flags,
+        commands.append(ranks_cmd(nproc, path, *JOB_FLAGS, *flags,
                                      f"--save={path.parent / 'w.pt'}"))
     return commands, {"PYTHONPATH": str(REPO)}  # the copies live outside the repo: common.py
 
