@@ -134,6 +134,12 @@ def pytest_configure(config):
     PRELOADED = Preloaded()  # imports torch while the tests are collected
 
 
+# The environment every launch starts from: this process's, as the tests began. Not os.environ
+# at the launch: the queued launches below start from other threads, at any moment, and a test
+# running in this process may have set RANK, WORLD_SIZE, ... for itself (as_torchrun) just then.
+ENV = dict(os.environ)
+
+
 def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
     """Start a command from the repo root, in a process group of its own (see finish).
 
@@ -147,7 +153,7 @@ def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
     with torch imported; the result is read as from a Popen (Forked)."""
     cmd = list(map(str, cmd))
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if "--device=cpu" in cmd else {}
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **cpu_only,
+    full_env = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **cpu_only,
                 **(env or {})}
     if cmd[0] == RANKS or (preloaded and cpu_only and cmd[0] == sys.executable
                            and cmd[1].endswith(".py")):
@@ -202,7 +208,7 @@ class Preloaded:
     def __init__(self):
         self.server = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("preloaded.py"))], cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+            env={**ENV, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.launches, self.lock = {}, threading.Lock()
         threading.Thread(target=self.read, daemon=True).start()
