@@ -57,6 +57,7 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import itertools
@@ -70,14 +71,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, parallelize_module)
+                                               RowwiseParallel, SequenceParallel, loss_parallel,
+                                               parallelize_module)
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import DATASET_SIZE, SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import compile_problem, save_atomic, seed_everything
 from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
@@ -122,6 +124,11 @@ def parse_args(argv=None):
     hardware.add_argument("--tp", type=positive(int), default=None,
                           help="ranks in each tensor-parallel group (default: all of them, pure "
                                "TP); fewer: 2D, FSDP across the groups")
+    hardware.add_argument("--sequence-parallel", action="store_true",
+                          help="also cut the norms' and the residual's activations along the "
+                               "sequence between the TP regions (SP)")
+    hardware.add_argument("--loss-parallel", action="store_true",
+                          help="keep the logits cut over the vocabulary through the loss")
     hardware.add_argument("--nproc", type=positive(int), default=None,
                           help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)")
     # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
@@ -167,6 +174,12 @@ def parse_args(argv=None):
     if args.heads % args.tp:
         parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
                      f"whole heads); use --heads {args.heads * args.tp} or another --tp")
+    if args.sequence_parallel and SEQ_LEN % args.tp:
+        parser.error(f"--sequence-parallel: --tp {args.tp} must divide the sequence length "
+                     f"{SEQ_LEN} (each rank keeps an equal part of it); use a divisor of it")
+    if args.loss_parallel and VOCAB % args.tp:
+        parser.error(f"--loss-parallel: --tp {args.tp} must divide the vocabulary {VOCAB} (each "
+                     f"rank keeps the logits of an equal part of it); use a divisor of it")
     if local_world % args.tp:
         # Ranks are numbered machine by machine, and a TP group is T consecutive ranks: it
         # stays inside one machine only if the ranks per machine are a multiple of T.
@@ -222,7 +235,7 @@ def setup(args):
     return rank, world_size, device
 
 
-def evaluate(model, dataset, mesh, batch_size, device):
+def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nullcontext):
     """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
     call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
@@ -243,7 +256,8 @@ def evaluate(model, dataset, mesh, batch_size, device):
             # Every forward of a sharded model is a collective (FSDP's blocks all-gather weights,
             # TP's all-reduce outputs), so all ranks run as many: the padding keeps the counts
             # equal, and a rank out of real samples forwards an empty batch, x[:0].
-            sums[0] += loss_fn(model(x), y, reduction="sum")
+            with cut_logits():
+                sums[0] += whole(loss_fn(model(x), y, reduction="sum"))
             sums[1] += y.numel()
     # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
     # shard like a 334-sample one and count the duplicates, and change with the number of
@@ -260,8 +274,10 @@ def evaluate(model, dataset, mesh, batch_size, device):
     return (sums[0] / sums[1]).item()
 
 
-def parallelize(model, mesh):
-    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D)."""
+def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
+    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D).
+    sequence_parallel: the activations between the TP regions cut along the sequence (SP);
+    vocab_parallel: the output layer cut over the vocabulary, its logits left cut."""
     # --- TP: cut each block's attention by heads and its MLP by inner units ---
     # ColwiseParallel makes a weight (out x in) a DTensor sharded by rows of the weight, i.e.
     # by output column of x @ W.T: Shard(0), 1/T of the outputs per rank, bias too. It takes
@@ -274,20 +290,57 @@ def parallelize(model, mesh):
     # communication; `o` by rows. The MLP: `up` by columns, `down` by rows; the ReLU between
     # them is elementwise. The norms, the embeddings and the head stay whole on every rank of
     # the group (replicated): norms act on whole tokens, and the rest is small here.
+    # --- SP: between the TP regions, each rank keeps 1/T of the sequence ---
+    # Outside attention and the MLP (the norms, the residual sums) every rank of a TP group
+    # would hold and compute the same whole activations. With SP they are cut along the
+    # sequence (Shard(1) of batch x sequence x hidden): each rank normalizes and adds up its
+    # 1/T of the tokens. A region's all-reduce becomes a reduce-scatter (`o` and `down` leave
+    # their sums cut along the sequence) and an all-gather before the next region (q, k, v and
+    # `up` need every token): together the same bytes as the all-reduce they replace, so SP
+    # costs no extra communication, and the norms' activations shrink to 1/T.
+    between = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks.values():
-        parallelize_module(block, mesh["tp"], {
+        plan = {
             # The attention's input, made a (replicated) DTensor once, before q, k and v take
             # it: their three input gradients then add up as one partial sum and backward
             # all-reduces it once, not once per projection (3 all-reduces where 1 will do).
-            "attn": PrepareModuleInput(input_layouts=Replicate(),
-                                       desired_input_layouts=Replicate()),
+            "attn": PrepareModuleInput(input_layouts=between, desired_input_layouts=Replicate()),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
-            "up": ColwiseParallel(), "down": RowwiseParallel()})
+            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=between),
+            "up": ColwiseParallel(input_layouts=between),
+            "down": RowwiseParallel(output_layouts=between)}
+        if sequence_parallel:
+            # The norms' weights stay whole (replicated DTensors) but see 1/T of the tokens:
+            # SequenceParallel marks them so that backward adds up their gradients over the
+            # group. Left out of the plan, each rank would step its norms with the gradient of
+            # its own tokens only, and the copies would drift apart (the bug zoo).
+            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        parallelize_module(block, mesh["tp"], plan)
         # The attention splits q, k, v into `heads` heads; each rank now holds H/T of them.
         # Left at H, it would cut each rank's slice into H heads of 1/T the width: shapes
         # that fit, and attention over the wrong numbers, silently (the bug zoo).
         block.attn.heads //= mesh["tp"].size()
+    # The ends of the stack: with SP the first block takes its part of the sequence (a slice,
+    # no communication; backward all-gathers the embeddings' gradient), and the final norm
+    # works on the parts. The output layer: whole on every rank from the whole sequence, or,
+    # cut over the vocabulary (loss parallelism), each rank computes the logits of 1/T of the
+    # vocabulary and keeps them cut: the cross-entropy then runs on the pieces (train).
+    ends = {}
+    if sequence_parallel:
+        ends["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
+                                              desired_input_layouts=Shard(1),
+                                              use_local_output=True)
+        ends["norm"] = SequenceParallel()
+    if vocab_parallel:
+        ends["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                         use_local_output=False)
+    elif sequence_parallel:
+        ends["output"] = PrepareModuleInput(input_layouts=between,
+                                            desired_input_layouts=Replicate(),
+                                            use_local_output=True)
+    if ends:
+        parallelize_module(model, mesh["tp"], ends)
+    # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each rank
     # holds 1/(D*T) of a block). The other order fails: fully_shard has already made every
@@ -342,7 +395,7 @@ def train(args, rank, world_size, device):
     # whatever --device says.
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh)
+    parallelize(model, mesh, args.sequence_parallel, args.loss_parallel)
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
@@ -361,6 +414,7 @@ def train(args, rank, world_size, device):
     # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
+    cut_logits = loss_parallel if args.loss_parallel else contextlib.nullcontext
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- TP: shard the data by TP group, not by rank ---
     # Every rank of a TP group must see the same micro-batch: each computes its slice of the
@@ -398,12 +452,19 @@ def train(args, rank, world_size, device):
             last = micro == args.accum_steps - 1
             if dp > 1:
                 model.set_requires_gradient_sync(last)
-            with record_function("forward"):
-                loss = loss_fn(model(x), y) / args.accum_steps
-            with record_function("backward"):
-                loss.backward()
+            # --- Loss parallelism: the loss and its backward run on the cut logits ---
+            # Under loss_parallel() the cross-entropy takes logits cut over the vocabulary:
+            # each rank finds its part's maximum and sum of exponentials, and two all-reduces
+            # of one number per token make the log-softmax; no rank ever holds the whole
+            # (batch x sequence x vocabulary) logits, nor their gradient, which backward also
+            # computes in pieces (so it must run in the context too).
+            with cut_logits():
+                with record_function("forward"):
+                    loss = loss_fn(model(x), y) / args.accum_steps
+                with record_function("backward"):
+                    loss.backward()
             # --- end ---
-            loss_sum += loss.detach()
+            loss_sum += whole(loss.detach())
         with record_function("optimizer step"):
             # --clip: to the norm of the whole gradient, sharded and whole pieces together
             # (clip_grad_norm, below: torch's own cannot mix them). Returns the norm.
@@ -423,7 +484,8 @@ def train(args, rank, world_size, device):
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, mesh, args.batch_size // dp, device)
+                val_loss = evaluate(model, val_set, mesh, args.batch_size // dp, device,
+                                    cut_logits)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective
@@ -432,6 +494,12 @@ def train(args, rank, world_size, device):
     print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
+
+
+def whole(loss):
+    """A loss as a plain tensor: under loss_parallel() it is a replicated DTensor (the same on
+    every rank of the group)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def clip_grad_norm(parameters, max_norm):
