@@ -19,9 +19,13 @@ What it teaches
     group on its own shard of every batch (2D). With global batch B the result equals one
     device with batch B: the tests prove it in float64 to 1e-9.
 
-    Sequence parallelism (SP), which usually comes with TP in transformers, would also cut the
-    LayerNorms' activations between the TP regions along the sequence, so that they are not
-    held whole on every rank; this file does not do it yet.
+    --sequence-parallel (SP, Megatron-LM's, which comes with TP in transformers): between the
+    TP regions (the norms, the residual sums) each rank holds 1/T of the sequence instead of
+    the whole of it. Each all-reduce becomes a reduce-scatter (onto the sequence parts) and an
+    all-gather (before the next region): the same bytes, and the norms' activations shrink to
+    1/T. --loss-parallel: the output layer is cut over the vocabulary and its logits stay cut
+    through the cross-entropy (loss_parallel()): no rank ever holds the whole logits, which
+    for a real vocabulary (50-200 k) are the largest activation of all.
 
 When to use it
     The layers themselves are too big, or too slow, for one device, and the devices have the
@@ -37,6 +41,7 @@ Launch
     python tp.py                              # starts its own workers: one per GPU, or 2
     torchrun --nproc_per_node=2 tp.py         # pure TP: each block cut in 2
     torchrun --nproc_per_node=4 tp.py --tp 2  # 2D: 2 TP groups of 2, FSDP across them
+    torchrun --nproc_per_node=2 tp.py --sequence-parallel --loss-parallel  # SP, loss parallel
     torchrun --nproc_per_node=4 tp.py --tp 2 --checkpoint ckpt   # resumable on any mesh
     torchrun --nproc_per_node=2 tp.py --fp64  # float64: within ~1e-12 of single.py --fp64
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
@@ -51,7 +56,7 @@ What changes from sharding (FSDP) to cutting each layer (TP, and 2D)
 
 Docs
     https://pytorch.org/docs/stable/distributed.tensor.parallel.html
-    https://pytorch.org/tutorials/intermediate/TP_tutorial.html
+    https://pytorch.org/tutorials/intermediate/TP_tutorial.html (SP and loss parallelism too)
     https://pytorch.org/docs/stable/distributed.checkpoint.html
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
@@ -79,7 +84,8 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import SEQ_LEN, VOCAB  # what sequence and loss parallelism cut
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import compile_problem, save_atomic, seed_everything
 from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
@@ -454,10 +460,10 @@ def train(args, rank, world_size, device):
                 model.set_requires_gradient_sync(last)
             # --- Loss parallelism: the loss and its backward run on the cut logits ---
             # Under loss_parallel() the cross-entropy takes logits cut over the vocabulary:
-            # each rank finds its part's maximum and sum of exponentials, and two all-reduces
-            # of one number per token make the log-softmax; no rank ever holds the whole
-            # (batch x sequence x vocabulary) logits, nor their gradient, which backward also
-            # computes in pieces (so it must run in the context too).
+            # all-reduces of one number per token (the maximum, the sum of exponentials, the
+            # target's logit) make it from the pieces; no rank ever holds the whole (batch x
+            # sequence x vocabulary) logits, nor their gradient, which backward also computes
+            # in pieces (so it must run in the context too).
             with cut_logits():
                 with record_function("forward"):
                     loss = loss_fn(model(x), y) / args.accum_steps

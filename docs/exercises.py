@@ -1,7 +1,8 @@
 """Measure the distances of docs/exercises.md: each mistake of the bug zoo (tests/test_zoo.py),
 and the correct script on the same flags, against one device, in fp32 and in fp64.
 
-    python docs/exercises.py       # minutes: 40 launches
+    python docs/exercises.py       # minutes: 44 launches
+    python docs/exercises.py "TP group fed by rank"     # only the rows named
 
 Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 360, lr 0.03, hidden 24, 3 blocks of
 3 heads; 4 heads where TP cuts them in 2) on the zoo's seed, launched as the zoo launches it,
@@ -33,6 +34,7 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "TP group fed by rank": (2, ["--heads=4"], 40),
     "TP: local head count left global": (2, ["--heads=4"], 40),
     "TP: a fused qkv layer cut by columns": (2, ["--heads=4"], 2),
+    "SP: a norm left out of the plan": (2, ["--heads=4", "--sequence-parallel"], 40),
     "optimizer built before fully_shard": (1, [], 4),
     "pipeline with scale_grads=False": (2, ["--microbatches=4"], 40),
     "FSDP clipped by the norm of the local shards": (2, [f"--clip={conftest.FP64_CLIP}"], 4),
@@ -44,6 +46,8 @@ def main():
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     job = {**conftest.JOB, **conftest.FP64_JOB, "seed": test_zoo.SEED}
     for i, (name, (nproc, extra, steps)) in enumerate(CASES.items()):
+        if sys.argv[1:] and name not in sys.argv[1:]:
+            continue
         clip = next((float(f.split("=")[1]) for f in extra if f.startswith("--clip=")), None)
         heads = next((int(f.split("=")[1]) for f in extra if f.startswith("--heads=")),
                      job["heads"])

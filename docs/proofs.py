@@ -1,7 +1,8 @@
 """Measure the tables of docs/proofs.md: every strategy against the oracle (tests/reference.py),
 in fp32 on the tests' short job and in fp64 on the fp64 proof's flags, on two seeds.
 
-    python docs/proofs.py          # some 50 launches
+    python docs/proofs.py          # some 60 launches
+    python docs/proofs.py "TP 2 (4 heads)" "TP 4 (4 heads)"    # only the rows named
 
 Each run is launched as a user would (torchrun, or `python X.py` for one process), with the
 tests' flags (tests/conftest.py: JOB, and FP64_JOB with --fp64), saves its weights with --save,
@@ -39,6 +40,13 @@ ROWS = {  # label: (ranks under torchrun, or None for `python script`; script; f
     "TP 4 (4 heads)": (4, "tp.py", ["--heads=4"]),
     "2D 2x2 x --accum-steps 3 (4 heads)": (4, "tp.py", ["--heads=4", "--tp=2",
                                                          "--accum-steps=3"]),
+    "TP 2 + SP (4 heads)": (2, "tp.py", ["--heads=4", "--sequence-parallel"]),
+    "TP 2 + SP + loss parallel (4 heads)": (2, "tp.py", ["--heads=4", "--sequence-parallel",
+                                                         "--loss-parallel"]),
+    "TP 4 + SP + loss parallel (4 heads)": (4, "tp.py", ["--heads=4", "--sequence-parallel",
+                                                         "--loss-parallel"]),
+    "2D 2x2 + SP + loss parallel x --accum-steps 3 (4 heads)": (4, "tp.py", [
+        "--heads=4", "--tp=2", "--sequence-parallel", "--loss-parallel", "--accum-steps=3"]),
     "pipeline GPipe, 2 stages x 4 micro-batches": (2, "pipeline.py", ["--microbatches=4"]),
     "pipeline 1F1B, 3 stages x 6 micro-batches": (3, "pipeline.py", ["--schedule=1f1b",
                                                                     "--microbatches=6"]),
@@ -71,7 +79,7 @@ def measure(flags, fp64, seed):
         accum = next((int(f.split("=")[1]) for f in extra if f.startswith("--accum-steps=")), 1)
         return batch % ((nproc or 1) * accum) == 0
 
-    labels = [label for label in ROWS if divides(label)]
+    labels = [label for label in ROWS if divides(label) and label in SHOWN]
     for i in range(0, len(labels), 2):  # two at a time: the machine has 2 cores
         started = {label: run(label, flags, folder) for label in labels[i:i + 2]}
         for label, (proc, path) in started.items():
@@ -93,13 +101,16 @@ def measure(flags, fp64, seed):
     return results
 
 
+SHOWN = [label for label in ROWS if label in sys.argv[1:] or not sys.argv[1:]]
+
+
 def main():
     seeds = conftest.FP64_SEEDS
     fp32 = measure([], False, conftest.JOB["seed"])
     fp64 = {s: measure(conftest.fp64(s), True, s) for s in seeds}
     print("| strategy | fp32, JOB | " + " | ".join(f"fp64, seed {s}" for s in seeds) + " |")
     print("|---|---|" + "---|" * len(seeds))
-    for label in ROWS:
+    for label in SHOWN:
         cells = [f"{r[label][0]:.1e}" if label in r else "(batch 300 / 9: n/a)"
                  for r in (fp32, *(fp64[s] for s in seeds))]
         print(f"| {label} | " + " | ".join(cells) + " |")

@@ -26,21 +26,25 @@ HEADS = 4
 RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra flags)
     # fp32, what users run: pure TP, each block cut in 3 (one head per rank), on the short job
     "3 ranks, tp 3": (3, []),
-    # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, 2 micro-batches, and
-    # clipping (the cut layers' gradients on the 2D mesh, the rest on "dp" only); its
-    # checkpoint (step 40) is continued as TP 4 below
-    "fp64, 4 ranks, 2D 2x2, accum 2, clip": (4, [
-        *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--accum-steps=2",
-        "--checkpoint={folder}/2d"]),
+    # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, with sequence and loss
+    # parallelism inside each group, 2 micro-batches, and clipping (the cut layers' gradients
+    # on the 2D mesh, the rest on "dp" only); its checkpoint (step 40) is continued as plain
+    # TP 4 below
+    "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip": (4, [
+        *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--sequence-parallel",
+        "--loss-parallel", "--accum-steps=2", "--checkpoint={folder}/2d"]),
+    # TP 4: 4 tokens of each sequence and 8 of the 32 logits of each token per rank
+    "fp64, 4 ranks, tp 4, SP, LP": (4, [*fp64(SEED_B), f"--heads={HEADS}",
+                                        "--sequence-parallel", "--loss-parallel"]),
     # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
     # through blocks that recompute their activations (compiling is proven in single.py: on a
     # 2-core CPU it costs each process seconds)
-    "fp64, spawn 2 ranks, tp 2, accum 2, AC": (None, [
-        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
-        "--activation-checkpointing"]),
+    "fp64, spawn 2 ranks, tp 2, SP, accum 2, AC": (None, [
+        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--sequence-parallel",
+        "--accum-steps=2", "--activation-checkpointing"]),
 }
 FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
-             zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
+             zip(list(RUNS)[1:], (SEED_A, SEED_B, SEED_B), (FP64_CLIP, None, None))}
 
 
 early_launches = early_runs("tp.py", RUNS)  # queued when the tests are collected
@@ -61,16 +65,16 @@ def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, refere
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_clipped_2d_and_checkpointed_tp_with_accumulation_equal_the_fp64_oracle(name, runs):
+def test_fp64_tp_sp_lp_2d_clipping_and_accumulation_equal_the_fp64_oracle(name, runs):
     seed, clip = FP64_RUNS[name]
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=HEADS)
 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
-    """The 2D run's sharded checkpoint (step 40: each block in quarters, over a 2x2 mesh),
-    continued to step 48 as pure TP 4 (each block cut in 4 over a 1x4 mesh, the input and
-    output layers whole), clipping as it did, ends within 1e-9 of 48 uninterrupted steps on
-    one device."""
+    """The 2D run's sharded checkpoint (step 40: each block in quarters, over a 2x2 mesh, the
+    output layer in halves), continued to step 48 as plain TP 4 (each block cut in 4 over a
+    1x4 mesh, the input and output layers whole; no SP, no loss parallelism), clipping as it
+    did, ends within 1e-9 of 48 uninterrupted steps on one device."""
     folder = runs["3 ranks, tp 3"][1].parent
     shutil.copytree(folder / "2d", tmp_path / "on4")
     assert_checkpoints_resume_to_the_oracle("tp.py", {(4, f"--heads={HEADS}"): tmp_path / "on4"},
@@ -81,12 +85,14 @@ def state_mib(stdout):
     return float(re.search(r"\| state ([0-9.]+) MiB/rank", stdout).group(1))
 
 
-def cut_by_tp(name):
+def cut_by_tp(name, vocab_parallel=False):
     """Whether TP cuts this parameter: q, k, v and up (weights and biases) by output columns,
     o and down (weights) by input rows. Their biases (added once, after the all-reduce), the
-    norms, the embeddings and the head stay whole."""
+    norms, the embeddings and the output layer stay whole; with loss parallelism the output
+    layer is cut by vocabulary (its rows and its bias)."""
     return any(f".{layer}." in name for layer in ("q", "k", "v", "up")) or \
-        name.endswith(("o.weight", "down.weight"))
+        name.endswith(("o.weight", "down.weight")) or \
+        (vocab_parallel and name.startswith("output."))
 
 
 def test_each_rank_holds_its_share_of_the_training_state(runs):
@@ -94,10 +100,11 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
     32 in fp64): what TP cuts over T ranks (2D: D*T), the rest whole (2D: over D)."""
     model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
     cut = sum(p.numel() for name, p in model.named_parameters() if cut_by_tp(name))
-    whole = sum(p.numel() for p in model.parameters()) - cut
+    cut_lp = sum(p.numel() for name, p in model.named_parameters() if cut_by_tp(name, True))
+    every = sum(p.numel() for p in model.parameters())
     expect = {  # name: (bytes per number, parameters held)
-        "3 ranks, tp 3": (4, cut / 3 + whole),
-        "fp64, 4 ranks, 2D 2x2, accum 2, clip": (8, cut / 4 + whole / 2)}
+        "3 ranks, tp 3": (4, cut / 3 + every - cut),
+        "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip": (8, cut_lp / 4 + (every - cut_lp) / 2)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,
                                                                     abs=1e-3), name
@@ -119,15 +126,16 @@ def fake_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dp, tp", [(1, 2), (1, 4), (2, 2)])
-def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, fake_group):
+@pytest.mark.parametrize("dp, tp, sp, lp", [(1, 2, False, False), (1, 4, True, True),
+                                            (2, 2, True, False), (2, 2, False, True)])
+def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, sp, lp, fake_group):
     import tp as tp_script
     mesh = fake_group(dp, tp)
     with torch.device("meta"):
-        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2, heads=4), mesh)
+        model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2, heads=4), mesh, sp, lp)
     for name, p in model.named_parameters():
         share = p.to_local().numel() / p.numel() if hasattr(p, "to_local") else 1
-        assert share == (1 / (dp * tp) if cut_by_tp(name) else 1 / dp), name
+        assert share == (1 / (dp * tp) if cut_by_tp(name, lp) else 1 / dp), name
     assert all(block.attn.heads == 4 // tp for block in model.blocks.values())
 
 
@@ -150,10 +158,53 @@ def test_one_forward_and_backward_make_four_all_reduces_per_block(fake_group):
     assert counts == {"all_reduce": 4 * blocks}
 
 
+def test_sequence_parallelism_trades_each_all_reduce_for_a_reduce_scatter_and_an_all_gather(
+        fake_group):
+    """Each of plain TP's four all-reduces per block becomes a reduce-scatter (after `o` and
+    `down`, and in backward after q, k, v and `up`) and an all-gather (before the next region),
+    which together move what the all-reduce did; at the ends, one all-gather before the output
+    layer in forward and one of the embeddings' gradient in backward. The norms see 1/T of the
+    tokens: their whole-model gradients are summed when first read (clipping, the optimizer),
+    as the fp64 proofs show."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    import tp as tp_script
+    blocks = 3
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks, heads=4),
+                                  fake_group(1, 2), sequence_parallel=True)
+    x = torch.randint(VOCAB, (8, SEQ_LEN))
+    with CommDebugMode() as comm:
+        model(x).sum().backward()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    assert counts == {"reduce_scatter_tensor": 4 * blocks,
+                      "all_gather_into_tensor": 4 * blocks + 2}
+
+
+def test_under_loss_parallelism_no_rank_holds_the_whole_logits(fake_group):
+    """The output layer's logits stay cut over the vocabulary (each rank VOCAB / T of every
+    token's), and the cross-entropy under loss_parallel() takes them so, forward and backward."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    from common import loss_fn
+    import tp as tp_script
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2, heads=4), fake_group(1, 4),
+                                  sequence_parallel=True, vocab_parallel=True)
+    logits = model(torch.randint(VOCAB, (8, SEQ_LEN)))
+    assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
+    assert logits.to_local().shape == (8, SEQ_LEN, VOCAB // 4)
+    with loss_parallel():
+        loss_fn(logits, torch.randint(VOCAB, (8, SEQ_LEN))).backward()
+    grad = model.output.weight.grad
+    assert isinstance(grad, DTensor) and grad.to_local().shape[0] == VOCAB // 4
+
+
 @pytest.mark.parametrize("world, flags, message", [
     (4, ["--tp=3"], "--tp 3 must divide the world size 4"),
     (3, ["--tp=3", "--heads=4"], "--tp 3 must divide --heads 4"),
     (2, ["--heads=6"], "--heads 6 must divide --hidden 64"),
+    (3, ["--hidden=48", "--heads=3", "--sequence-parallel"],
+     "--sequence-parallel: --tp 3 must divide the sequence length 16"),
+    (3, ["--hidden=48", "--heads=3", "--loss-parallel"],
+     "--loss-parallel: --tp 3 must divide the vocabulary 32"),
     (4, ["--tp=2", "--batch-size=63"], "--batch-size 63 must be divisible by the 2 TP group(s)"),
 ])
 def test_bad_mesh_is_refused_in_one_line_before_any_process_group(world, flags, message,

@@ -1,4 +1,4 @@
-"""The bug zoo: thirteen classic mistakes, each made on purpose in a temporary copy of a script
+"""The bug zoo: fourteen classic mistakes, each made on purpose in a temporary copy of a script
 (and of common.py, where the mistake is in the model), and each caught. The same list is the
 course's exercise sheet (docs/exercises.md): break the line, run the test, read the failure.
 
@@ -88,8 +88,11 @@ MISTAKES = {
         "        q, k, v = (part.reshape(batch, seq, self.heads, -1).transpose(1, 2)\n"
         "                   for part in self.qkv(x).chunk(3, dim=-1))\n"), (
         "            \"attn.q\": ColwiseParallel(), \"attn.k\": ColwiseParallel(),\n"
-        "            \"attn.v\": ColwiseParallel(), \"attn.o\": RowwiseParallel(),\n",
-        "            \"attn.qkv\": ColwiseParallel(), \"attn.o\": RowwiseParallel(),\n")]),
+        "            \"attn.v\": ColwiseParallel(),",
+        "            \"attn.qkv\": ColwiseParallel(),")]),
+    "SP: a norm left out of the plan": ("tp.py", [(
+        "{\"attn_norm\": SequenceParallel(), \"mlp_norm\": SequenceParallel()}",
+        "{\"attn_norm\": SequenceParallel()}")]),
     "TP group fed by rank": ("tp.py", [(
         "    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, "
         "shuffle=True,",
@@ -132,6 +135,8 @@ LAUNCHED = {
     "TP group fed by rank": (2, [*fp64(SEED, steps=4), f"--heads={HEADS}"]),
     "TP: local head count left global": (2, [*fp64(SEED, steps=4), f"--heads={HEADS}"]),
     "TP: a fused qkv layer cut by columns": (2, [*fp64(SEED, steps=2), f"--heads={HEADS}"]),
+    "SP: a norm left out of the plan": (2, [*fp64(SEED, steps=4), f"--heads={HEADS}",
+                                            "--sequence-parallel"]),
     "pipeline with scale_grads=False": (2, [*fp64(SEED, steps=4), "--microbatches=4"]),
     "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
 }
@@ -294,6 +299,14 @@ def test_an_optimizer_built_before_fully_shard_trains_nothing(tmp_path):
     out, weights = run_as_only_rank(module, fp64(SEED, steps=4), tmp_path)
     assert max_diff(weights, fp64_reference(SEED, 4)[0]) == 0.0  # never moved
     assert distance(weights, steps=4) > FP64_TOL
+
+
+def test_a_norm_left_out_of_the_sequence_parallel_plan_misses_the_oracle(launched):
+    """Under SP the MLP's norm, left a plain LayerNorm, still runs (on this rank's part of the
+    sequence), but nothing adds its gradient up over the TP group: each rank steps its copy
+    with its own tokens' gradient, and the copies part from one device and from each other."""
+    assert distance(launched["SP: a norm left out of the plan"][1], steps=4,
+                    heads=HEADS) > FP64_TOL
 
 
 def test_a_pipeline_with_scale_grads_false_misses_the_oracle(launched):
