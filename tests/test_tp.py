@@ -28,23 +28,20 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra 
     "3 ranks, tp 3": (3, []),
     # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, with sequence and loss
     # parallelism inside each group, 2 micro-batches, and clipping (the cut layers' gradients
-    # on the 2D mesh, the rest on "dp" only); its checkpoint (step 40) is continued as plain
-    # TP 4 below
+    # on the 2D mesh, the rest on "dp" only); its checkpoint (step 40) is continued as TP 4
+    # with SP and loss parallelism below
     "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip": (4, [
         *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--sequence-parallel",
         "--loss-parallel", "--accum-steps=2", "--checkpoint={folder}/2d"]),
-    # TP 4: 4 tokens of each sequence and 8 of the 32 logits of each token per rank
-    "fp64, 4 ranks, tp 4, SP, LP": (4, [*fp64(SEED_B), f"--heads={HEADS}",
-                                        "--sequence-parallel", "--loss-parallel"]),
-    # `python tp.py` starts its own 2 workers; they accumulate 2 micro-batches per step,
-    # through blocks that recompute their activations (compiling is proven in single.py: on a
-    # 2-core CPU it costs each process seconds)
-    "fp64, spawn 2 ranks, tp 2, SP, accum 2, AC": (None, [
-        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--sequence-parallel",
-        "--accum-steps=2", "--activation-checkpointing"]),
+    # `python tp.py` starts its own 2 workers, plain TP; they accumulate 2 micro-batches per
+    # step, through blocks that recompute their activations (compiling is proven in
+    # single.py: on a 2-core CPU it costs each process seconds)
+    "fp64, spawn 2 ranks, tp 2, accum 2, AC": (None, [
+        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
+        "--activation-checkpointing"]),
 }
 FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
-             zip(list(RUNS)[1:], (SEED_A, SEED_B, SEED_B), (FP64_CLIP, None, None))}
+             zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
 
 
 early_launches = early_runs("tp.py", RUNS)  # queued when the tests are collected
@@ -72,13 +69,15 @@ def test_fp64_tp_sp_lp_2d_clipping_and_accumulation_equal_the_fp64_oracle(name, 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
     """The 2D run's sharded checkpoint (step 40: each block in quarters, over a 2x2 mesh, the
-    output layer in halves), continued to step 48 as plain TP 4 (each block cut in 4 over a
-    1x4 mesh, the input and output layers whole; no SP, no loss parallelism), clipping as it
-    did, ends within 1e-9 of 48 uninterrupted steps on one device."""
+    output layer in halves), continued to step 48 as TP 4 with SP and loss parallelism (each
+    block and the output layer cut in 4 over a 1x4 mesh; 4 tokens of each sequence and 8 of
+    each token's 32 logits per rank), clipping as it did, ends within 1e-9 of 48
+    uninterrupted steps on one device."""
     folder = runs["3 ranks, tp 3"][1].parent
     shutil.copytree(folder / "2d", tmp_path / "on4")
-    assert_checkpoints_resume_to_the_oracle("tp.py", {(4, f"--heads={HEADS}"): tmp_path / "on4"},
-                                            tmp_path, SEED_A, FP64_CLIP, heads=HEADS)
+    assert_checkpoints_resume_to_the_oracle(
+        "tp.py", {(4, f"--heads={HEADS}", "--sequence-parallel", "--loss-parallel"):
+                  tmp_path / "on4"}, tmp_path, SEED_A, FP64_CLIP, heads=HEADS)
 
 
 def state_mib(stdout):
