@@ -67,10 +67,15 @@ class Attention(nn.Module):
         # (batch, seq, width) -> (batch, heads, seq, width // heads): attention runs per head.
         q, k, v = (proj(x).view(batch, seq, self.heads, -1).transpose(1, 2)
                    for proj in (self.q, self.k, self.v))
+        y = self.attend(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q, k, v):
+        """Each query's weighted sum of the values of the keys at or before its position.
+        cp.py puts its own here, for a rank that holds pieces of each sequence."""
         # is_causal: token t attends to tokens 0..t only, so it cannot read the token it is
         # asked to predict. PyTorch picks the kernel (flash, memory-efficient, or plain math).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Block(nn.Module):
@@ -125,9 +130,13 @@ class SimpleModel(nn.Module):
         # parameter lives in exactly one place.
         self.output = nn.Linear(hidden, VOCAB)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
         if self.embed is not None:  # a pipeline's later stages take activations, not tokens
-            x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+            # positions: where each of x's tokens sits in its sequence; 0, 1, ... unless the
+            # tokens are pieces of their sequences (context parallelism, cp.py).
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            x = self.embed(x) + self.pos(positions)
         for block in self.blocks.values():
             x = block(x)
         if self.output is not None:  # only the last stage has the head

@@ -248,8 +248,8 @@ class Preloaded:
                    "procs": procs})
         return launch_
 
-    def kill(self, launch_):
-        self.send({"kill": launch_.id})
+    def kill(self, launch_, sig="SIGKILL"):
+        self.send({"kill": launch_.id, "signal": sig})
 
     def stop(self):
         self.server.stdin.close()  # the server kills what it started, and exits
@@ -266,10 +266,14 @@ def kill(proc):
 
 def finish(proc, timeout=90):
     """Wait for a started command. A hung collective fails the test after `timeout` seconds
-    (the whole process group, workers included, is killed) instead of hanging CI."""
+    (the whole process group, workers included, is killed) instead of hanging CI; a forked
+    one (tests/preloaded.py) first prints each process's Python stack: where each rank was."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if isinstance(proc, Forked):
+            PRELOADED.kill(proc, "SIGUSR1")
+            time.sleep(2)
         kill(proc)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(proc.args)} still running after {timeout}s\n{out}\n{err}")
@@ -301,9 +305,11 @@ def launch_together(commands, timeout=150, env=None):
 # own, goes first, and the queue takes what CPU is left; otherwise ten queued workers would
 # leave this process a tenth of a core and every in-process test would wait for the whole
 # queue. So a queued launch may take longer than one a test starts: its timeout is longer, and
-# counts from its own start, not from when the queue reaches it.
+# counts from its own start, not from when the queue reaches it. How much longer depends on the
+# machine: four ranks of many small collectives, niced behind busy tests, took 40 s here and
+# were still short of their 20th step after 300 s on a slower CI machine (stop 40's CI).
 LAUNCH_SLOTS = 3
-QUEUED_TIMEOUT = 300
+QUEUED_TIMEOUT = 600
 EARLY = {}  # module name: (folder, futures of its results, in order)
 EARLY_FOLDERS = []
 QUEUE = concurrent.futures.ThreadPoolExecutor(max_workers=LAUNCH_SLOTS)

@@ -7,13 +7,14 @@ Forked from this server (which has done nothing but import), a process starts wi
 modules in memory, and is otherwise what `python script.py` makes: its own session (so one
 killpg ends it and its workers), environment, working directory, sys.argv, sys.path, standard
 streams (files), priority and thread count; it runs the script as __main__ and exits with its
-status. Only CPU runs come here (conftest.start): the server never touches CUDA, yet a process
+status; SIGUSR1 makes it print every thread's Python stack (faulthandler), so a test that
+gives up on a hung process shows where each rank waited. Only CPU runs come here (conftest.start): the server never touches CUDA, yet a process
 forked after CUDA starts could not use it.
 
 Run by conftest.py as `python tests/preloaded.py`; it reads one JSON request per line on stdin:
   {"id": N, "cwd": dir, "out": file, "err": file or null (with out), "nice": n,
    "procs": [{"argv": [script, args...], "env": {...}}, ...]}   start them
-  {"kill": N}                                                      SIGKILL them
+  {"kill": N, "signal": name}          send them a signal (SIGKILL when no name is given)
 and writes {"id": N, "rc": status} on stdout when every process of request N has ended. As a
 launcher does, it kills the rest of a request's processes as soon as one of them fails.
 """
@@ -38,6 +39,7 @@ import torch.distributed.tensor.parallel  # noqa: E402,F401
 def run(proc, request, replies):
     """In the forked child: become `python argv...` and never return."""
     import atexit
+    import faulthandler
     import runpy
     import traceback
     os.setsid()
@@ -56,6 +58,7 @@ def run(proc, request, replies):
     sys.stdin = sys.__stdin__ = open(0, closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", buffering=line, closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when asked
     if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when torch loaded, here, before
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     script = os.path.abspath(proc["argv"][0])
@@ -89,10 +92,10 @@ def main():
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no stray print can garble the replies
     buffer = b""
 
-    def kill(pids):
+    def kill(pids, sig=signal.SIGKILL):
         for pid in pids:
             try:
-                os.killpg(pid, signal.SIGKILL)  # its session's group: its workers too
+                os.killpg(pid, sig)  # its session's group: its workers too
             except ProcessLookupError:
                 pass
 
@@ -110,7 +113,8 @@ def main():
                 message = json.loads(line)
                 if "kill" in message:
                     if message["kill"] in requests:
-                        kill(requests[message["kill"]]["live"])
+                        kill(requests[message["kill"]]["live"],
+                             getattr(signal, message.get("signal", "SIGKILL")))
                     continue
                 pids = set()
                 for proc in message["procs"]:

@@ -1,0 +1,585 @@
+"""Context parallelism (CP): every rank holds a piece of every sequence; attention sees all of it.
+
+What it teaches
+    DDP splits the batch, TP each layer; CP splits each *sequence*. The C ranks of a CP group
+    train on the same sequences, each on 1/C of the tokens of every one of them, with the whole
+    model. Everything in a transformer works on each token alone (the embeddings, the norms,
+    the MLP, the output layer, the loss) except attention, where a token's query meets the keys
+    and values of every token before it, and most of those live on other ranks. So attention,
+    and attention only, communicates:
+    - --cp-method allgather: each block all-gathers K and V over the CP group; every rank then
+      attends its own queries over the whole sequence, under the causal mask written from the
+      tokens' real positions. The all-gather is autograd-aware: its backward is a
+      reduce-scatter that hands each rank the gradient of its own K and V, summed over all the
+      ranks whose queries read them. Llama 3 trained its long contexts this way.
+    - --cp-method ring (ring attention): K and V travel round the ring of C ranks, C - 1 hops,
+      each rank passing on the block it holds and receiving its neighbour's; each rank attends
+      its queries over each block as it comes and merges the partial results by their
+      log-sum-exp (the softmax of the whole row, assembled from each block's own: flash
+      attention's trick). With a fused kernel a rank holds two blocks at a time, never the
+      whole sequence's K and V; here autograd keeps every block it received for backward.
+    Load balance: under the causal mask a late token attends to many keys and an early one to
+    few, so with contiguous pieces the last rank would do C times the first's work (and the
+    first would sit idle). The sequence is cut into 2C chunks and rank i takes chunks i and
+    2C-1-i, an early one and a late one: every rank the same work. Each token keeps its place:
+    the position embedding reads the token's position in its sequence, not on its rank.
+    Weights and their gradients are whole on every rank, as in DDP (a CP rank, like a DP rank,
+    saw part of the batch): DDP averages them over every rank. With --cp C smaller than the
+    world size W, the ranks form a grid of W/C groups ("dp") of C ("cp"), each group on samples
+    of its own. Each rank's loss is the mean over its own tokens: every rank holds as many, so
+    their average over the W ranks is the mean over the batch. With global batch B the result
+    equals one device with batch B: the tests prove it in float64 to 1e-9.
+
+When to use it
+    Sequences so long that one sequence's activations (which grow with its length) do not fit
+    on a device even with activation checkpointing: long-context training, 100k tokens and
+    more. The exchanges (K and V, per layer) grow with the length; attention's compute grows
+    with its square, so the longer the sequence, the better the ring hides them behind it.
+When not
+    Short sequences (ours: 16 tokens): the exchanges cost more than the attention they split;
+    split the batch instead (ddp.py, fsdp.py). PyTorch's own context_parallel() runs the ring
+    inside its flash and memory-efficient CUDA kernels: on GPUs at scale, use it (or
+    torchtitan); this script writes CP with public collectives so it runs anywhere and can be
+    read, and proves it.
+
+Launch
+    python cp.py                                   # starts its own workers: 1 per GPU, or 2
+    torchrun --nproc_per_node=2 cp.py              # each sequence in 2 pieces (all-gather)
+    torchrun --nproc_per_node=2 cp.py --cp-method ring
+    torchrun --nproc_per_node=4 cp.py --cp 2       # dp 2 x cp 2: two groups, 2 pieces each
+    torchrun --nproc_per_node=2 cp.py --fp64       # float64: within ~1e-12 of single.py --fp64
+    torchrun --nproc_per_node=4 cp.py --checkpoint ckpt.pt   # resumes on any --cp
+    Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
+    and a CP group inside one machine where it can be (its exchanges are per layer).
+
+What context parallelism adds to data parallelism
+    diff ddp.py cp.py
+
+Docs
+    https://pytorch.org/tutorials/prototype/context_parallel.html (PyTorch's, CUDA only)
+    https://arxiv.org/abs/2310.01889 (ring attention)
+    https://arxiv.org/abs/2407.21783 (Llama 3: all-gather CP, the load-balanced chunks)
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+"""
+
+import argparse
+import contextlib
+import datetime
+import functools
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
+from common import compile_problem, save_atomic, seed_everything
+from common import SEQ_LEN  # what context parallelism cuts
+from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=positive(int), default=100, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, summed over all ranks")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within ~1e-12 of "
+                            "single.py --fp64, so a gap is a bug, not rounding")
+    train.add_argument("--accum-steps", type=positive(int), default=1,
+                       help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=25,
+                       help="steps between evaluations on the held-out set (and at the end)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
+    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                          help="auto: NCCL where every rank has a GPU of its own, else gloo")
+    hardware.add_argument("--cp", type=positive(int), default=None,
+                          help="ranks in each context-parallel group, each holding 1/CP of "
+                               "every sequence (default: all of them); fewer: data parallel "
+                               "across the groups")
+    hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
+                          help="how attention reaches the other ranks' keys and values: "
+                               "all-gather them, or pass them round a ring")
+    hardware.add_argument("--nproc", type=positive(int), default=None,
+                          help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)")
+    # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
+    # alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
+    hardware.add_argument("--timeout", type=positive(float), default=600.0,
+                          help="seconds a collective may wait for a peer before the job fails")
+    output = parser.add_argument_group("output")
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="resume from PATH if it exists; write model, optimizer, step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
+    args = parser.parse_args(argv)
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
+    if problem:
+        parser.error(problem)
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
+                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
+    gpus = machine_gpus() if use_cuda else 0
+    # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
+    # CPU), or fewer where that many would not divide the batch (common.most_workers).
+    world_size, local_world = ranks(
+        args, most_workers(gpus, args.batch_size, args.accum_steps), gpus,
+        f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
+        f"{gpus * args.accum_steps} to use all")
+    if use_cuda and local_world > gpus:
+        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: NCCL, one GPU per rank.
+        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
+                     "GPU per rank; use fewer ranks or --device cpu")
+    carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
+    if args.backend not in ("auto", carrier):
+        parser.error(f"--backend {args.backend}: {'GPU' if use_cuda else 'CPU'} tensors travel "
+                     f"over {carrier} only; use --backend {carrier} (or auto)")
+    args.cp = args.cp or world_size
+    if world_size % args.cp:
+        parser.error(f"--cp {args.cp} must divide the world size {world_size} (the ranks form "
+                     f"a grid of CP groups); use a divisor of {world_size}")
+    if SEQ_LEN % (2 * args.cp):
+        parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp "
+                     f"equal chunks (each rank takes two); use a --cp that divides "
+                     f"{SEQ_LEN // 2}")
+    dp = world_size // args.cp  # CP groups: each trains on its own shard of every batch
+    if args.batch_size % (dp * args.accum_steps):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} CP "
+                     f"group(s) x --accum-steps {args.accum_steps}; "
+                     f"use a multiple of {dp * args.accum_steps}")
+    if args.clip < 0:
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
+    return args
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # which shard of the data this process trains on
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # Before init_process_group: NCCL binds to the *current* device, and without this
+        # every rank would create its context and buffers on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"  # parse_args checked: one GPU per rank
+    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
+    print0(f"cp: {world_size} ranks = {world_size // args.cp} (dp) x {args.cp} (cp), "
+           f"{args.cp_method} | backend {backend} | device {device.type} | "
+           f"torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def evaluate(model, dataset, mesh, positions, batch_size, device):
+    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
+    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    # --- CP: evaluate a shard on each CP group, each rank its pieces, then add the sums up ---
+    # Every rank of a CP group works on the same samples: shard by group ("dp"), not by rank.
+    rank, world_size = mesh.get_local_rank("dp"), mesh["dp"].size()
+    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
+    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
+    # (docs/traps.md#padding).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    real = len(range(rank, len(dataset), world_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real], y[:real]  # the padded duplicates: left out
+            real -= len(x)
+            # This rank's tokens of each sequence, and their targets. Every forward is a
+            # collective now (attention exchanges K and V), so every rank runs as many: the
+            # padding keeps the counts equal, and a rank out of real samples forwards an empty
+            # batch, x[:0].
+            x, y = x[:, positions].to(device), y[:, positions].to(device)
+            sums[0] += loss_fn(model(x, positions=positions.to(device)), y, reduction="sum")
+            sums[1] += y.numel()
+    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
+    # shard like a 334-sample one and count the duplicates, and change with the number of
+    # ranks (pytorch/pytorch#25162). Over every rank: each holds tokens no other rank has
+    # (its pieces of its group's samples).
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # --- end ---
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+# --- CP: which tokens a rank holds, and attention across the ranks ---
+def chunks_of(cp_rank, cp):
+    """The two chunks (of 2 x cp, in sequence order) that rank `cp_rank` of a CP group holds:
+    an early one and its mirror image from the end, so every rank has the same attention work
+    under the causal mask (chunk i attends to i + 1 chunks, chunk 2C-1-i to 2C - i: 2C + 1 in
+    all, on every rank)."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def token_positions(cp_rank, cp):
+    """The positions in the sequence of the tokens rank `cp_rank` holds, in its order."""
+    chunk = SEQ_LEN // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks_of(cp_rank, cp)])
+
+
+class AllGather(torch.autograd.Function):
+    """Every rank of `group`'s x, joined along the sequence (dim -2), in rank order. Backward:
+    each rank's x was read by every rank, so its gradient is the sum of their gradients for
+    it: a reduce-scatter, the all-gather's mirror image."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [g.contiguous() for g in grad.chunk(dist.get_world_size(ctx.group), dim=-2)]
+        mine = torch.empty_like(pieces[0])
+        dist.reduce_scatter(mine, pieces, group=ctx.group)
+        return mine, None
+
+
+def attend_allgather(q, k, v, group, positions, all_positions):
+    """Causal attention of this rank's queries over every rank's keys and values."""
+    kv = AllGather.apply(torch.stack([k, v]), group)  # one collective for both
+    # Causal by position, not by index: `is_causal` would compare this rank's 4th query with
+    # the 4th key of the gathered sequence, which is not the token before it.
+    may_see = all_positions <= positions[:, None]  # (this rank's tokens, all tokens)
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=may_see)
+
+
+class RingPass(torch.autograd.Function):
+    """Send x to the next rank of `group`'s ring; return what the previous one sent. Backward:
+    the gradient goes back the way x came (to the previous rank, from the next)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return pass_on(x, group, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return pass_on(grad, ctx.group, -1), None
+
+
+def pass_on(x, group, step):
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(x)
+    # Sends and receives together, so no rank waits for its receiver before it can receive.
+    for work in dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(group, (me + step) % size),
+                       group),
+            dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (me - step) % size),
+                       group)]):
+        work.wait()
+    return received
+
+
+def block_attention(q, k, v, causal):
+    """Attention of q over one block of keys: its output and each query's log-sum-exp of its
+    scores (which merge() needs to weigh it against the other blocks)."""
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:  # the query chunk itself: token t sees the chunk's tokens up to t
+        n = scores.shape[-1]
+        later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(later, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def merge(parts):
+    """One softmax over all the blocks, from each block's own: weigh each block's output by
+    exp(its log-sum-exp - the log-sum-exp of them all)."""
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    return sum(out * torch.exp(part_lse - lse) for out, part_lse in parts)
+
+
+def attend_ring(q, k, v, group):
+    """Causal attention of this rank's queries over every rank's keys and values, the blocks
+    passed round the ring."""
+    me, cp = dist.get_rank(group), dist.get_world_size(group)
+    mine = chunks_of(me, cp)
+    queries = q.chunk(2, dim=-2)  # this rank's two chunks
+    parts = ([], [])  # per query chunk: (output, log-sum-exp) over each key chunk it sees
+    kv = torch.stack([k, v])  # one message for both
+    for hop in range(cp):
+        source = (me - hop) % cp  # whose tokens kv holds: this rank's own, then each other's
+        for query, q_chunk, part in zip(queries, mine, parts):
+            for key_value, k_chunk in zip(kv.chunk(2, dim=-2), chunks_of(source, cp)):
+                # A key chunk after the query chunk is masked whole: skip its work. (Half the
+                # chunk pairs; the load balance gives every rank the same number of them.)
+                if k_chunk <= q_chunk:
+                    part.append(block_attention(query, *key_value, causal=k_chunk == q_chunk))
+        if hop < cp - 1:
+            # Every rank passes its block on at every hop, whatever it skipped: its next rank
+            # needs the block, and a rank that skipped the exchange would leave the ring's
+            # sends unmatched (every rank waiting, until --timeout).
+            kv = RingPass.apply(kv, group)
+    return torch.cat([merge(part) for part in parts], dim=-2)
+
+
+def cut_sequences(model, mesh, method):
+    """Make each block's attention reach across mesh["cp"]; return this rank's token positions
+    (which tokens of each sequence it takes)."""
+    group, cp_rank, cp = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh["cp"].size()
+    positions = token_positions(cp_rank, cp)
+    for block in model.blocks.values():
+        if method == "allgather":
+            all_positions = torch.cat([token_positions(r, cp) for r in range(cp)])
+            block.attn.attend = functools.partial(
+                attend_allgather, group=group, positions=positions.to(block.attn.q.weight.device),
+                all_positions=all_positions.to(block.attn.q.weight.device))
+        else:
+            block.attn.attend = functools.partial(attend_ring, group=group)
+    return positions
+# --- end ---
+
+
+def train(args, rank, world_size, device):
+    """Train; return the unwrapped model, the final loss (the ranks' mean) and val loss."""
+    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
+    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
+    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
+    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    dtype = torch.float64 if args.fp64 else torch.float32
+    # Same seed on every rank: the replicas start alike (DDP would broadcast rank 0's anyway).
+    seed_everything(args.seed)
+    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
+    # --- Activation checkpointing and compiling: per block, before any wrapper ---
+    for block in model.blocks.values():
+        if args.compile:
+            # The block's forward, compiled (inductor). The module stays, and with it the
+            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
+            # Before checkpointing wraps it (measured: 1 graph either way round, but 0 when the
+            # whole module is compiled after its forward was patched: docs/compile.md).
+            # Inside, backward's recomputation runs the compiled code again. The first
+            # step pays the compile time (the summary's "first step").
+            block.forward = torch.compile(block.forward)
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
+            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
+            # docs/compile.md), at about one more forward's compute. Non-reentrant,
+            # the current implementation. It wraps the forward, not the module, so parameter
+            # names stay SimpleModel's and checkpoints and --save load with or without it.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    # --- end ---
+    # --- CP: the ranks as a grid, each block's attention reaching across its CP group ---
+    # W/C rows ("dp") of C ranks ("cp"), row-major, so a CP group is C consecutive ranks, which
+    # torchrun places on one machine. On the device the tensors live on: without it, the mesh
+    # would go to the machine's accelerator, whatever --device says.
+    mesh = init_device_mesh(device.type, (world_size // args.cp, args.cp),
+                            mesh_dim_names=("dp", "cp"))
+    positions = cut_sequences(model, mesh, args.cp_method)  # on the CPU: they index batches
+    # --- end ---
+    # --- DDP: wrap the model ---
+    # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
+    # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
+    # communication overlaps the rest of backward. gradient_as_bucket_view makes each .grad a
+    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved
+    # (13% more samples/s on 2 CPU cores, docs/performance.md); don't .detach_() such a .grad.
+    # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
+    # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
+    # Over every rank, CP's too: each rank's gradient is that of its own tokens' mean loss,
+    # and the mean of the W ranks' is the gradient of the batch's mean (each holds as many).
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    # --- end ---
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # (Every rank reads the same file into its replica: they stay identical.)
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
+
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    # --- DDP, over the CP groups: shard the data ---
+    # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
+    # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
+    # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
+    # over the N ranks: the batch one device with batch B sees at step k, and with the N
+    # per-rank mean gradients averaged, the same update. drop_last: the same tail for any N | B.
+    # The ranks of one CP group take the same samples (their pieces of them): shard by group.
+    sampler = DistributedSampler(dataset, num_replicas=mesh["dp"].size(),
+                                 rank=mesh.get_local_rank("dp"), shuffle=True, seed=args.seed,
+                                 drop_last=True)
+    micro_batch = args.batch_size // (mesh["dp"].size() * args.accum_steps)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # --- end ---
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    profiler = Profiler(args.profile, rank, device)  # does nothing without --profile
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            # Without set_epoch every epoch replays epoch 0's order (the seed never moves).
+            sampler.set_epoch(epoch)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            # --- CP: this rank's pieces of the sequences, and their targets ---
+            x, y = x[:, positions].to(device), y[:, positions].to(device)
+            # --- end ---
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            # --- DDP: accumulate gradients without communicating ---
+            # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
+            # where DDP decides whether the coming backward syncs. The last one syncs the sum.
+            last = micro == args.accum_steps - 1
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
+                with record_function("forward"):
+                    # Positions: where in its sequence each token of x is (the position
+                    # embedding's input), not 0, 1, ... on this rank.
+                    loss = loss_fn(ddp_model(x, positions=positions.to(device)),
+                                   y) / args.accum_steps
+                with record_function("backward"):
+                    loss.backward()
+            # --- end ---
+            loss_sum += loss.detach()
+        with record_function("optimizer step"):
+            # --clip. Every replica holds the averaged gradient of the whole batch now: all
+            # ranks measure the same norm and clip alike (each clipping its own gradient before
+            # the average would part the replicas). Returns the norm before clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+        profiler.step()
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # A collective, so every rank must reach it at the same steps: the condition
+            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            # Over every rank, CP's too: rank 0's own loss is that of its pieces only (the
+            # first and the last of the sequence), not the batch's.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            # every rank, at the same steps: it is a collective
+            with meter.paused(), record_function("evaluation"):
+                val_loss = evaluate(model, val_set, mesh, positions,
+                                    args.batch_size // mesh["dp"].size(), device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            # One writer: the replicas are identical. Nothing in the file depends on the world
+            # size or on --cp: saved on 4 ranks as dp 2 x cp 2, it resumes on 2 as cp 2, on 4
+            # as cp 4, or on one device with single.py.
+            if rank == 0:
+                save_checkpoint(args, model, optimizer, step + 1)
+    profiler.stop()
+    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+                         state_bytes=held_bytes(model, optimizer)))
+    return model, final_loss, val_loss
+
+
+def save_checkpoint(args, model, optimizer, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
+                 "fp64": args.fp64, "heads": args.heads},
+                args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model, optimizer):
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops with one line and is left as it was."""
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    if not os.path.exists(args.checkpoint):
+        return 0
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse("saved with another model size; use its --hidden and --blocks"
+               if "size mismatch" in str(e) or "Missing key" in str(e)
+               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
+
+
+def run(args):
+    """What each worker process does: join, train, save, leave."""
+    rank, world_size, device = setup(args)
+    model, _, _ = train(args, rank, world_size, device)
+    if args.save and rank == 0:
+        # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
+        # SimpleModel.load_state_dict(strict=True) would refuse those keys.
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+
+
+if __name__ == "__main__":
+    main()
