@@ -337,14 +337,35 @@ def spawned(local_rank, run, args, port):
                       LOCAL_WORLD_SIZE=str(args.nproc),
                       # The store is the launcher's, as under torchrun: launcher_store() joins it.
                       TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    run(args)
+    as_rank(run, args)
+
+
+# How gloo says that a collective's peer is gone or never came (NCCL's errors are DistErrors).
+PEER_LOST = ("Timed out waiting", "Application timeout", "Connection closed by peer",
+             "Connection reset by peer")
+
+
+def as_rank(run, args):
+    """run(args) as one rank. A collective that gives up (a peer died, or never reached it
+    within --timeout) ends the rank with one line, not a page of C++ frames: which rank, what
+    gloo or NCCL said, and the two usual causes."""
+    try:
+        run(args)
+    except RuntimeError as e:  # torch.distributed.DistError is one
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
+            raise
+        fail(f"{os.path.basename(sys.argv[0])}: error: rank {os.environ.get('RANK')}: a "
+             f"collective gave up ({first.split('] ')[-1]}): a peer stopped, or the ranks did "
+             f"not all make the same collectives (--timeout {args.timeout:g} s)",
+             leave_group=False)
 
 
 def launch(run, args):
     """run(args) in this process if a launcher made it a rank; else in args.nproc workers on
     this machine, started here, with one exit status for all of them."""
     if "RANK" in os.environ:
-        run(args)  # torchrun started one process per rank; this is one of them
+        as_rank(run, args)  # torchrun started one process per rank; this is one of them
         return
     # The rendezvous store, hosted here as torchrun's agent hosts its own: on a port the OS
     # picks and this process holds, so nothing can take it before the workers connect (a port
@@ -364,7 +385,7 @@ def launch(run, args):
                          else f"{os.path.basename(sys.argv[0])}: {e}")
 
 
-def fail(message):
+def fail(message, leave_group=True):
     """Stop this process with `message` as its one error line (on stderr) and exit status 1.
 
     Under torchrun the line also goes into the error file torchrun gives each worker
@@ -375,9 +396,9 @@ def fail(message):
     NCCL's group can be left cleanly: it would otherwise warn at exit that
     destroy_process_group() was never called, under the one line. (A gloo group is left to the
     exit, as it always was: tearing it down here could abort the exit on torch 2.13,
-    docs/traps.md#sigabrt.)
+    docs/traps.md#sigabrt.) leave_group=False where a peer may be stuck in a collective.
     """
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if leave_group and dist.is_initialized() and dist.get_backend() == "nccl":
         dist.destroy_process_group()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:

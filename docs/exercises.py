@@ -8,15 +8,18 @@ Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 360, lr 0.03, hidden
 3 heads; 4 heads where TP cuts them in 2) on the zoo's seed, launched as the zoo launches it,
 once with --fp64 and once without; each is compared with tests/reference.py in the same
 precision. Prints the max weight difference and the printed validation loss's distance from the
-exact one; for the fused qkv layer, whose weights have other names, the first step's loss. The
-mistakes that no weight shows (the collective count, the checkpoint's keys, the clipped norm)
-are measured by their tests.
+exact one; for the fused qkv layer, whose weights have other names, the first step's loss; for
+the CP loss averaged over a rank's own tokens, the last printed loss; for the ring that skips a
+hop, how long the job takes to fail, and its first error line. The mistakes that no weight
+shows (the collective count, the checkpoint's keys, the clipped norm) are measured by their
+tests.
 """
 
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +41,10 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "optimizer built before fully_shard": (1, [], 4),
     "pipeline with scale_grads=False": (2, ["--microbatches=4"], 40),
     "FSDP clipped by the norm of the local shards": (2, [f"--clip={conftest.FP64_CLIP}"], 4),
+    "CP: positions not offset per piece": (2, [], 40),
+    "CP: loss averaged over a rank's own tokens": (2, [], 40),
+    "CP ring: a hop skipped where its keys are masked": (4, ["--cp-method=ring", "--timeout=10"],
+                                                         4),
 }
 
 
@@ -65,12 +72,21 @@ def main():
                 where.mkdir(parents=True, exist_ok=True)
                 cmd = ([sys.executable, script] if nproc is None
                        else conftest.torchrun_cmd(nproc, script))
+                started = time.monotonic()
                 result = subprocess.run(
                     [*map(str, cmd), *conftest.JOB_FLAGS, *flags, *extra,
                      f"--save={where / 'w.pt'}"],
                     cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                if "hop skipped" in name and kind == "mistake":
+                    error = next(line for line in result.stderr.splitlines() if "error:" in line)
+                    row.append(f"{kind}: exit {result.returncode} after "
+                               f"{time.monotonic() - started:.1f} s: {error.strip()}")
+                    continue
                 if result.returncode:
                     raise SystemExit(f"{name} ({precision}, {kind}) failed:\n{result.stderr}")
+                if "own tokens" in name:
+                    last = conftest.logged_losses(result.stdout)[-1]
+                    row.append(f"{kind} last loss {abs(last - losses[-1]):.1e} away")
                 if "fused" in name:
                     first = conftest.logged_losses(result.stdout)[0]
                     row.append(f"{kind} first loss {abs(first - losses[0]):.1e} away")

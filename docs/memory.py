@@ -47,7 +47,13 @@ SENT = {"all_reduce": lambda p, n: 2 * (n - 1) / n * p,
         "reduce_scatter": lambda p, n: (n - 1) / n * p,
         # a broadcast's root sends it once, every rank but the last in the chain passes it on:
         # (n-1)/n of it per rank, on average over the roots, as every rank broadcasts its share
-        "broadcast": lambda p, n: (n - 1) / n * p}
+        "broadcast": lambda p, n: (n - 1) / n * p,
+        # point to point (cp.py's ring): a send carries its tensor once; a receive sends nothing
+        "send": lambda p, n: p, "recv": lambda p, n: 0.0}
+# the same collectives under the names other calls record (DTensor's, all_gather_into_tensor)
+ALIASES = {"all_gather_into_tensor": "all_gather", "_allgather_base": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+           "allreduce": "all_reduce"}
 TYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
 
 
@@ -69,6 +75,7 @@ def communication(trace, group):
     payload, sent = {}, 0.0
     for e in events:
         backend, _, name = e["name"].partition(":")
+        name = ALIASES.get(name, name)
         if backend not in ("gloo", "nccl") or not any(
                 s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps):
             continue

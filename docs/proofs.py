@@ -47,6 +47,13 @@ ROWS = {  # label: (ranks under torchrun, or None for `python script`; script; f
                                                          "--loss-parallel"]),
     "2D 2x2 + SP + loss parallel x --accum-steps 3 (4 heads)": (4, "tp.py", [
         "--heads=4", "--tp=2", "--sequence-parallel", "--loss-parallel", "--accum-steps=3"]),
+    "CP 2, all-gather": (2, "cp.py", []),
+    "CP 2, ring x --accum-steps 3": (2, "cp.py", ["--cp-method=ring", "--accum-steps=3"]),
+    "CP 4, all-gather x --accum-steps 3": (4, "cp.py", ["--accum-steps=3"]),
+    "CP 4, ring": (4, "cp.py", ["--cp-method=ring"]),
+    "dp 2 x CP 2, all-gather": (4, "cp.py", ["--cp=2"]),
+    "dp 2 x CP 2, ring x --accum-steps 3": (4, "cp.py", ["--cp=2", "--cp-method=ring",
+                                                         "--accum-steps=3"]),
     "pipeline GPipe, 2 stages x 4 micro-batches": (2, "pipeline.py", ["--microbatches=4"]),
     "pipeline 1F1B, 3 stages x 6 micro-batches": (3, "pipeline.py", ["--schedule=1f1b",
                                                                     "--microbatches=6"]),

@@ -492,7 +492,7 @@ def max_diff(a, b):
 
 def logged_losses(stdout):
     """The loss column of the per-step log lines."""
-    return [float(x) for x in re.findall(r"^step +\d+/\d+ \| loss ([0-9.e+-]+)", stdout, re.M)]
+    return list(logged_step_losses(stdout).values())
 
 
 @pytest.fixture(scope="session")
@@ -507,10 +507,11 @@ def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], c
                                            heads=JOB["heads"]):
     """A --fp64 run (stdout, saved weights) on `seed` (clipped to `clip`, if given): float64
     weights within FP64_TOL of the fp64 oracle's, the printed validation loss the oracle's exact
-    one (to its 6 decimals), and the gradient norm of every logged step the oracle's."""
+    one (to its 6 decimals), and the loss and gradient norm of every logged step the oracle's:
+    every number it prints is one device's, to the digits printed."""
     from reference import reference_val_loss
     out, weights = run
-    _, expected, _, norms = fp64_reference(seed, steps, clip, heads)
+    _, expected, losses, norms = fp64_reference(seed, steps, clip, heads)
     assert all(w.dtype == torch.float64 for w in weights.values())
     diff = max_diff(weights, expected)
     print(f"fp64 run: max weight difference {diff:.2e} from the fp64 oracle")  # pytest -s
@@ -518,6 +519,8 @@ def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], c
     exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], heads)
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)
     assert_norms_are_the_oracles(out, norms, rel=1e-6)  # float64: to the digits printed
+    for step, loss in logged_step_losses(out).items():  # 6 decimals
+        assert loss == pytest.approx(losses[step - 1], abs=1e-6), f"loss of step {step}"
     if clip:
         assert min(norms) > clip  # so the clip acted at every step
 
@@ -529,6 +532,12 @@ def assert_norms_are_the_oracles(stdout, norms, rel=NORM_RTOL):
     assert logged, "no step logged a gradient norm"
     for step, norm in logged.items():
         assert norm == pytest.approx(norms[step - 1], rel=rel), f"step {step}"
+
+
+def logged_step_losses(stdout):
+    """{step: the loss its log line printed}."""
+    return {int(step): float(loss) for step, loss in re.findall(
+        r"^step +(\d+)/\d+ \| loss ([0-9.e+-]+)", stdout, re.M)}
 
 
 def logged_norms(stdout):

@@ -17,7 +17,7 @@ from conftest import FP64_TOL
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Long enough (~1-2 s of training) that a worker can be killed mid-run, on a tiny model.
-LONG = dict(JOB, steps=200, batch_size=60)
+LONG = dict(JOB, steps=100, batch_size=60)
 LONG_FLAGS = [*(f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()), "--device=cpu"]
 
 
@@ -28,7 +28,7 @@ def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weight
         f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
     assert result.returncode == 0, result.stdout
     assert "resumed from" in result.stdout  # the group really restarted from the file
-    # 200 steps is past the horizon where fp32's summation orders agree (docs/drift.md): in
+    # 100 steps is past the horizon where fp32's summation orders agree (docs/drift.md): in
     # float64 the restarted job is the uninterrupted one on one device.
     _, expected, _ = reference_train(**LONG, fp64=True)
     assert max_diff(load_saved(tmp_path / "w.pt"), expected) < FP64_TOL
@@ -66,14 +66,14 @@ def load_checkpoint(module, args, model):
     return module.load_checkpoint(args, model, *[None] * extra)
 
 
-@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "amp", "pipeline"])
+@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "amp", "pipeline", "cp"])
 def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritten(
         script, tmp_path):
     """load_checkpoint, which every rank calls before the first collective, stops with one
     line (SystemExit: exit status 1) and leaves the file as it was."""
     module = importlib.import_module(script)
-    args = module.parse_args(["--device=cpu", *(["--nproc=1"] if script in ("ddp", "pipeline")
-                                                else [])])
+    args = module.parse_args(["--device=cpu", *(["--nproc=1"] if script in ("ddp", "pipeline",
+                                                                            "cp") else [])])
     ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
     cases = [(b"garbage", "cannot be read")]
     common.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
@@ -92,12 +92,12 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
         assert open(ckpt, "rb").read() == content
 
 
-@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "pipeline"])
+@pytest.mark.parametrize("script", ["single", "dataparallel", "ddp", "pipeline", "cp"])
 def test_checkpoint_of_the_other_precision_is_refused_in_one_line_and_left_as_it_was(
         script, tmp_path):
     """load_state_dict would cast an fp64 checkpoint into an fp32 run (or the reverse) silently."""
     module = importlib.import_module(script)
-    nproc = ["--nproc=1"] if script in ("ddp", "pipeline") else []
+    nproc = ["--nproc=1"] if script in ("ddp", "pipeline", "cp") else []
     ckpt = tmp_path / "ckpt.pt"
     for saved_fp64, flags, message in [(True, [], "written with --fp64; add --fp64"),
                                        (False, ["--fp64"], "written without --fp64; drop --fp64")]:
@@ -125,7 +125,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp"]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
@@ -203,7 +203,7 @@ def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monk
     assert threads == [3 if omp else max(1, os.cpu_count() // 2)]
 
 
-@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp", "pipeline"])
+@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp", "pipeline", "cp"])
 def test_compile_without_a_cpp_compiler_or_on_an_unsupported_python_is_refused_in_one_line(
         script, capsys, monkeypatch):
     """Faked: inductor finds no C++ compiler on the CPU; torch.compile refuses this Python."""

@@ -12,7 +12,7 @@ import pytest
 from conftest import (early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp"]
 # The multi-process ones are launched as the docstrings say; the single-process ones run their
 # main() in this process (the same code as `python X.py`, without seconds of torch imports for
 # a new process). Model parallelism (pipeline.py --nproc 1) is proven on JOB by
@@ -23,6 +23,7 @@ LAUNCHED = {
     "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
     "python pipeline.py": [sys.executable, "pipeline.py", "--device=cpu"],  # starts 2 stages
     "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
+    "python cp.py": [sys.executable, "cp.py", "--device=cpu"],  # starts 2 workers
 }
 IN_PROCESS = ["single", "dataparallel", "amp"]
 

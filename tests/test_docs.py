@@ -22,7 +22,7 @@ def test_every_image_and_page_a_page_links_exists(page):
         assert "docs/proof.png" in local
 
 
-SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "common"]
+SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "cp", "common"]
 
 
 def flags_of(script):
@@ -65,7 +65,10 @@ def test_the_flags_check_sees_a_flag_a_script_does_not_have():
 DIFF_LIMITS = {("single", "dataparallel"): None, ("single", "amp"): 100, ("single", "ddp"): 200,
                # fsdp -> tp: cutting each layer, 2D, and (they live in tp.py, as in PyTorch's
                # own TP plans) sequence and loss parallelism
-               ("ddp", "fsdp"): 230, ("fsdp", "tp"): 310, ("ddp", "pipeline"): None}
+               ("ddp", "fsdp"): 230, ("fsdp", "tp"): 310, ("ddp", "pipeline"): None,
+               # ddp -> cp: attention across the ranks written out (all-gather and ring, each
+               # an autograd function of public collectives), since PyTorch's runs on CUDA only
+               ("ddp", "cp"): 260}
 
 
 def changed_lines(before, after):

@@ -139,7 +139,7 @@ def test_the_clock_waits_for_every_gpu_of_a_model_parallel_run(monkeypatch):
 
 # Each script's own flags for a run that equals the oracle (amp.py: autocast off).
 ON_ONE_DEVICE = {"single": [], "dataparallel": [], "amp": ["--dtype=fp32"]}
-ON_ONE_RANK = {"ddp": [], "fsdp": [], "tp": [], "pipeline": []}
+ON_ONE_RANK = {"ddp": [], "fsdp": [], "tp": [], "pipeline": [], "cp": []}
 
 
 @pytest.mark.parametrize("script", [*ON_ONE_DEVICE, *ON_ONE_RANK])
@@ -182,7 +182,7 @@ def joining(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("script", ["ddp", "fsdp", "tp", "pipeline"])
+@pytest.mark.parametrize("script", ["ddp", "fsdp", "tp", "pipeline", "cp"])
 def test_one_visible_gpu_per_rank_is_each_ranks_own_cuda0_over_nccl(
         script, fake_gpus, as_torchrun, joining, monkeypatch):
     """srun --gpus-per-task=1 (or a container per rank): 4 ranks on a machine, each seeing one
@@ -199,7 +199,7 @@ def test_one_visible_gpu_per_rank_is_each_ranks_own_cuda0_over_nccl(
                        "device_id": torch.device("cuda", 0)}
 
 
-@pytest.mark.parametrize("script", ["fsdp", "tp", "pipeline"])
+@pytest.mark.parametrize("script", ["fsdp", "tp", "pipeline", "cp"])
 def test_under_torchrun_one_gpu_for_4_ranks_is_shared_and_refused(script, fake_gpus,
                                                                   as_torchrun, monkeypatch,
                                                                   capsys):

@@ -18,9 +18,9 @@ import torch
 
 from common import SimpleModel
 from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL,
-                      early_results, fp64, fp64_reference, load_saved, logged_losses,
-                      logged_norms, max_diff, ok, ranks_cmd, run_as_only_rank, run_in_process,
-                      summary_val_loss)
+                      early_results, fp64, fp64_reference, launch, load_saved, logged_losses,
+                      logged_norms, logged_step_losses, max_diff, ok, ranks_cmd,
+                      run_as_only_rank, run_in_process, summary_val_loss)
 from reference import reference_val_loss
 from test_amp import _scaled_backward
 
@@ -125,6 +125,22 @@ MISTAKES = {
         "            for g in local:\n"
         "                g.mul_(factor)\n"), (
         "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
+    "CP: positions not offset per piece": ("cp.py", [(
+        "                    loss = loss_fn(ddp_model(x, positions=positions.to(device)),\n"
+        "                                   y) / args.accum_steps\n",
+        "                    loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"), (
+        "            sums[0] += loss_fn(model(x, positions=positions.to(device)), y, "
+        "reduction=\"sum\")\n",
+        "            sums[0] += loss_fn(model(x), y, reduction=\"sum\")\n")]),
+    "CP: loss averaged over a rank's own tokens": ("cp.py", [(
+        "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
+        "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh.get_group(\"dp\"))\n"
+    )]),
+    "CP ring: a hop skipped where its keys are masked": ("cp.py", [(
+        "        for query, q_chunk, part in zip(queries, mine, parts):\n",
+        "        if source > me:  # \"a later rank's keys are all masked for my first chunk\"\n"
+        "            continue  # ...and the exchange at the bottom of the loop goes with it\n"
+        "        for query, q_chunk, part in zip(queries, mine, parts):\n")]),
 }
 
 # The mistakes that need several processes, launched together (name: ranks, flags).
@@ -139,6 +155,8 @@ LAUNCHED = {
                                             "--sequence-parallel"]),
     "pipeline with scale_grads=False": (2, [*fp64(SEED, steps=4), "--microbatches=4"]),
     "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
+    "CP: positions not offset per piece": (2, fp64(SEED, steps=4)),
+    "CP: loss averaged over a rank's own tokens": (2, [*fp64(SEED, steps=4), "--log-every=1"]),
 }
 
 
@@ -332,8 +350,7 @@ def test_clipping_before_unscale_clips_the_scaled_gradient(tmp_path):
     assert seen[0].item() == pytest.approx(1.0 / scale, rel=1e-4)
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
 
 
 def test_fsdp_clipped_by_the_norm_of_its_local_shards_clips_each_rank_by_its_own_factor(
@@ -346,3 +363,41 @@ def test_fsdp_clipped_by_the_norm_of_its_local_shards_clips_each_rank_by_its_own
     _, expected, _, norms = fp64_reference(SEED, 4, FP64_CLIP)
     assert logged_norms(out)[1] < 0.9 * norms[0]  # rank 0's part, printed as if the whole
     assert max_diff(load_saved(weights), expected) > FP64_TOL
+
+
+def test_positions_not_offset_per_piece_miss_the_oracle(launched):
+    """Each rank's tokens read the position embeddings of 0, 1, 2, ...: rank 1's pieces (the
+    2nd and 3rd quarters of each sequence) are taken for the sequence's first tokens."""
+    assert distance(launched["CP: positions not offset per piece"][1], steps=4) > FP64_TOL
+
+
+def test_a_cp_loss_averaged_over_a_ranks_own_tokens_prints_another_loss(launched):
+    """The weights are right (DDP still averages every rank's gradient) but the loss printed is
+    rank 0's own tokens' mean (the first and the last quarter of each sequence), not the
+    batch's: every logged step but the first is off by more than 1e-3 (the untrained model
+    gives every token about ln 32), where the right one equals one device's to 1e-6."""
+    out, path = launched["CP: loss averaged over a rank's own tokens"]
+    assert distance(path, steps=4) < FP64_TOL
+    losses = fp64_reference(SEED, 4)[2]
+    printed = logged_step_losses(out)
+    assert sorted(printed) == [1, 2, 3, 4]
+    assert all(abs(printed[step] - losses[step - 1]) > 1e-3 for step in (2, 3, 4))
+
+
+def test_a_ring_that_skips_a_hop_on_some_ranks_fails_in_one_line_within_its_timeout(tmp_path):
+    """Rank 0 skips the hops whose keys come from later ranks (masked for its first chunk,
+    not for its second), and the exchange at the bottom of the loop with them: its neighbours'
+    sends and receives go unmatched. With --timeout 5 the job ends in seconds, each rank that
+    gave up saying so in one line; the test's own limit (90 s) is what a hang would meet."""
+    path = mutant("CP ring: a hop skipped where its keys are masked", tmp_path)
+    result = launch(*ranks_cmd(4, path, *JOB_FLAGS, *fp64(SEED, steps=4), "--cp-method=ring",
+                               "--timeout=5"), env={"PYTHONPATH": str(REPO)})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and all(line.startswith("cp.py: error: rank ") and
+                         "a collective gave up" in line and "--timeout 5 s" in line
+                         for line in lines), result.stderr
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -1,0 +1,121 @@
+"""cp.py: every sequence cut over C ranks (context parallelism), its attention by all-gather or
+round a ring, alone and across data-parallel groups, trains to the same weights, and prints
+the same losses, as one device; its checkpoints resume on another CP degree; every rank gets
+the same attention work; bad flags are refused in one line."""
+
+import pytest
+import torch
+
+from common import SEQ_LEN
+from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, TOL,
+                      assert_checkpoints_resume_to_the_oracle,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
+                      max_diff, needs_cuda, refused_in_one_line, succeeded, summary_val_loss,
+                      torchrun)
+
+SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+
+RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python cp.py`; extra flags)
+    # fp32, what users run: each sequence in 2 pieces, K and V all-gathered (the default)
+    "2 ranks, cp 2": (2, []),
+    # fp64 on odd flags: each sequence in 4 pieces, K and V passed round a ring of 4, 2
+    # micro-batches, clipping; its checkpoint (step 40) is continued as dp 2 x cp 2 below
+    "fp64, 4 ranks, cp 4, ring, accum 2, clip": (4, [
+        *fp64(SEED_A, clip=FP64_CLIP), "--cp-method=ring", "--accum-steps=2",
+        "--checkpoint={folder}/ckpt.pt"]),
+    # all-gather, 3 micro-batches per step, through blocks that recompute their activations
+    # (and so gather K and V again in backward); `python cp.py` starting its own workers is
+    # tests/test_defaults.py's
+    "fp64, 2 ranks, cp 2, accum 3, AC": (2, [
+        *fp64(SEED_B), "--accum-steps=3", "--activation-checkpointing"]),
+}
+FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
+             zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
+
+
+early_launches = early_runs("cp.py", RUNS)  # queued when the tests are collected
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launched_runs(__name__, "cp.py", RUNS)
+
+
+def test_cp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val):
+    out, weights = succeeded(runs["2 ranks, cp 2"])  # --save: single.py's format
+    assert max_diff(weights, reference[1]) < TOL
+    assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
+    # the loss printed is the batch's (every rank's tokens), not rank 0's pieces
+    assert logged_losses(out) == pytest.approx([reference[2][0], reference[2][-1]], abs=1e-5)
+    assert_norms_are_the_oracles(out, reference[3])
+
+
+@pytest.mark.parametrize("name", FP64_RUNS)
+def test_fp64_ring_and_allgather_with_accumulation_clipping_and_ac_equal_the_fp64_oracle(
+        name, runs):
+    """Weights to 1e-9, and every printed loss, gradient norm and validation loss to the
+    digits printed (conftest.assert_fp64_run_equals_the_fp64_oracle)."""
+    seed, clip = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
+
+
+def test_fp64_checkpoint_of_cp_4_resumes_as_dp_2_x_cp_2_and_as_cp_2(runs, tmp_path):
+    """The ring's checkpoint (step 40, 4 pieces per sequence), continued to step 48 on 4 ranks
+    as 2 data-parallel groups of 2 pieces (ring), and on 2 ranks (all-gather), clipping as it
+    did: both within 1e-9 of 48 uninterrupted steps on one device. Nothing in the file depends
+    on the ranks or the pieces."""
+    path = runs["2 ranks, cp 2"][1].parent / "ckpt.pt"
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(path.read_bytes())
+    assert_checkpoints_resume_to_the_oracle(
+        "cp.py", {(4, "--cp=2", "--cp-method=ring"): path, (2,): copy}, tmp_path, SEED_A,
+        FP64_CLIP)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_every_rank_holds_its_pieces_once_and_the_same_attention_work(cp):
+    """Rank i holds chunks i and 2C-1-i: together the ranks hold every position exactly once,
+    and under the causal mask (position p attends to p + 1 keys) each rank's queries attend to
+    as many keys as any other's. Contiguous pieces would give the last rank 2C - 1 times the
+    first's."""
+    import cp as cp_script
+    held = [cp_script.token_positions(r, cp) for r in range(cp)]
+    assert sorted(torch.cat(held).tolist()) == list(range(SEQ_LEN))
+    work = {int((positions + 1).sum()) for positions in held}
+    assert len(work) == 1
+
+
+def test_ring_attention_merges_blocks_into_one_softmax():
+    """merge() of each block's (output, log-sum-exp), the masked blocks skipped, is attention
+    over the whole row: the ring's arithmetic, checked against PyTorch's attention without
+    processes (each key chunk a block, as the ring delivers them)."""
+    import torch.nn.functional as F
+    import cp as cp_script
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 3, SEQ_LEN, 8, dtype=torch.float64)
+    chunks = 4
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    qs, ks, vs = (t.chunk(chunks, dim=-2) for t in (q, k, v))
+    rows = [cp_script.merge([cp_script.block_attention(qs[i], ks[j], vs[j], causal=i == j)
+                             for j in range(i + 1)]) for i in range(chunks)]
+    assert max_diff({"y": torch.cat(rows, dim=-2)}, {"y": expected}) < 1e-14
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (4, ["--cp=3"], "--cp 3 must divide the world size 4"),
+    (16, ["--batch-size=64"], "--cp 16: the sequence length 16 must cut into 2 x --cp equal "
+                              "chunks"),
+    (4, ["--cp=2", "--batch-size=63"], "--batch-size 63 must be divisible by the 2 CP group(s)"),
+    (2, ["--heads=6"], "--heads 6 must divide --hidden 64"),
+])
+def test_bad_cp_flags_are_refused_in_one_line_before_any_process_group(world, flags, message,
+                                                                       as_torchrun, capsys):
+    as_torchrun(world)
+    refused_in_one_line("cp", flags, message, capsys)
+
+
+@needs_cuda
+def test_cp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
+    result = torchrun(1, "cp.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
