@@ -355,8 +355,9 @@ def as_rank(run, args):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):
             raise
+        said = first.split("] ")[-1].split(". ")[0]  # gloo's words, without its source file
         fail(f"{os.path.basename(sys.argv[0])}: error: rank {os.environ.get('RANK')}: a "
-             f"collective gave up ({first.split('] ')[-1]}): a peer stopped, or the ranks did "
+             f"collective gave up ({said}): a peer stopped, or the ranks did "
              f"not all make the same collectives (--timeout {args.timeout:g} s)",
              leave_group=False)
 

@@ -8,7 +8,7 @@ Each run is a script launched by torchrun *through this file*, which first lengt
 sequences (common.SEQ_LEN, the data's period, a small held-out set: the position embedding
 and the data follow) and then runs the script as `python script.py` would:
 
-    torchrun --nproc_per_node=2 docs/sequences.py --seq-len 1024 --run cp.py --cp-method ring
+    torchrun --nproc_per_node=2 docs/sequences.py --seq-len 1024 --script cp.py --cp-method ring
 
 and, at the end, prints rank 0's activation memory: the bytes of the tensors autograd saves
 for backward in a step (torch.autograd.graph.saved_tensors_hooks; each storage once, the
@@ -68,7 +68,8 @@ def count_activations():
         steps.append(sum(n for ptr, n in saved.items() if ptr not in weights))
         saved.clear()
 
-    torch.optim.optimizer.register_optimizer_step_pre_hook(before_step)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(before_step)
     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t).__enter__()
     return steps
 
@@ -85,7 +86,7 @@ def run_script(seq_len, script, argv):
 
 def launch(n, seq_len, script, flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={n}", __file__, f"--seq-len={seq_len}", "--run", script,
+           f"--nproc_per_node={n}", __file__, f"--seq-len={seq_len}", "--script", script,
            *SIZE, *flags]
     result = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=1800)
@@ -125,9 +126,9 @@ def main(seq_len):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--run", metavar="SCRIPT", help="(torchrun's workers) run SCRIPT")
+    parser.add_argument("--script", help="(what torchrun starts) run this script, one rank of it")
     known, rest = parser.parse_known_args()
-    if known.run:
-        run_script(known.seq_len, known.run, rest)
+    if known.script:
+        run_script(known.seq_len, known.script, rest)
     else:
         main(known.seq_len)

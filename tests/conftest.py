@@ -36,7 +36,7 @@ from common import SimpleModel, free_port  # noqa: E402
 # transformer (3 blocks of width 24, 3 heads: an odd head count). fp32 holds only over a short
 # horizon: Adam divides each gradient entry by its own size, so an entry made of terms that
 # nearly cancel turns another summation order's last bit into a visible step (on this model,
-# at batch 1200: 1e-6 after 1 step, 1e-4 after 8; at JOB's batch 300 at most 5.2e-6 after 8;
+# at batch 1200: 1e-6 after 1 step, 1e-4 after 8; at JOB's batch 300 at most 5.7e-6 after 8;
 # docs/drift.md). So the fp32 runs are this one job, on the scripts' default seed, held to TOL.
 #
 # fp64, the proof on flags nobody chose: FP64_JOB, 40 steps of batch 180 (11 steps per epoch:
@@ -81,12 +81,12 @@ def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"])
 # TP's partial sums, cuBLAS on a GPU) moves fp32's last bits, and Adam's update divides each
 # gradient entry by its own size plus eps (1e-8), so an entry whose terms nearly cancel turns
 # a rounding difference into a visible step. Measured on a 2-core CPU, torch 2.13.0, every
-# strategy on JOB: at most 5.2e-6 (the pipeline; docs/proofs.md, `python docs/proofs.py`). A
-# real mistake (a wrong sample, a missing average, a skipped sync) moves 1e-2 or more here,
-# and far more than FP64_TOL in fp64 (the bug zoo, tests/test_zoo.py). GPU runs (TF32 off)
-# are held to the same bound. Not yet measured on a GPU (none has run this suite): cuBLAS sums
-# in other orders than the CPU, within the same fp32 rounding, so the same amplification
-# bounds it; `pytest -m gpu` prints each GPU run's figure (docs/gpu.md).
+# strategy on JOB: at most 5.7e-6 (CP, dp 2 x cp 2 by ring; docs/proofs.md, `python
+# docs/proofs.py`). A real mistake (a wrong sample, a missing average, a skipped sync) moves
+# 1e-2 or more here, and far more than FP64_TOL in fp64 (the bug zoo, tests/test_zoo.py). GPU
+# runs (TF32 off) are held to the same bound. Not yet measured on a GPU (none has run this
+# suite): cuBLAS sums in other orders than the CPU, within the same fp32 rounding, so the same
+# amplification bounds it; `pytest -m gpu` prints each GPU run's figure (docs/gpu.md).
 TOL = 1e-4
 GPU_TOL = TOL
 # torch.compile fuses a block's ops into generated kernels, which may round in other places:

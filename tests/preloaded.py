@@ -8,8 +8,9 @@ modules in memory, and is otherwise what `python script.py` makes: its own sessi
 killpg ends it and its workers), environment, working directory, sys.argv, sys.path, standard
 streams (files), priority and thread count; it runs the script as __main__ and exits with its
 status; SIGUSR1 makes it print every thread's Python stack (faulthandler), so a test that
-gives up on a hung process shows where each rank waited. Only CPU runs come here (conftest.start): the server never touches CUDA, yet a process
-forked after CUDA starts could not use it.
+gives up on a hung process shows where each rank waited. Only CPU runs come here
+(conftest.start): the server never touches CUDA, yet a process forked after CUDA starts could
+not use it.
 
 Run by conftest.py as `python tests/preloaded.py`; it reads one JSON request per line on stdin:
   {"id": N, "cwd": dir, "out": file, "err": file or null (with out), "nice": n,

@@ -1,4 +1,4 @@
-"""The bug zoo: fourteen classic mistakes, each made on purpose in a temporary copy of a script
+"""The bug zoo: seventeen classic mistakes, each made on purpose in a temporary copy of a script
 (and of common.py, where the mistake is in the model), and each caught. The same list is the
 course's exercise sheet (docs/exercises.md): break the line, run the test, read the failure.
 
@@ -134,8 +134,8 @@ MISTAKES = {
         "            sums[0] += loss_fn(model(x), y, reduction=\"sum\")\n")]),
     "CP: loss averaged over a rank's own tokens": ("cp.py", [(
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
-        "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh.get_group(\"dp\"))\n"
-    )]),
+        "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
+        "                            group=mesh.get_group(\"dp\"))  # (mistake)\n")]),
     "CP ring: a hop skipped where its keys are masked": ("cp.py", [(
         "        for query, q_chunk, part in zip(queries, mine, parts):\n",
         "        if source > me:  # \"a later rank's keys are all masked for my first chunk\"\n"
