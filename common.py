@@ -17,7 +17,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import resource
 import shutil
 import socket
 import sys
@@ -31,6 +30,11 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+try:
+    import resource  # the peak memory of this process: Linux and macOS
+except ImportError:  # Windows
+    resource = None
 
 VOCAB = 32  # token ids 0..31
 SEQ_LEN = 16  # tokens a sequence feeds the model; it is scored on the next token at each
@@ -204,6 +208,8 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}")
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if value == float("inf") or value != value:  # float("inf"), float("nan") parse
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         return value
 
     return parse
@@ -266,7 +272,8 @@ def machine_gpus():
 
 
 # --- How a process becomes a rank: the same in every distributed script, and none of their
-# technique. `python ddp.py` starts its own workers and gives each what torchrun would; under
+# technique. `python ddp.py` starts its own workers and gives each the environment torchrun
+# would (and a share of the cores' threads, where torchrun gives 1: spawned()); under
 # torchrun (or srun, or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
 # each process is one rank already. ---
 
@@ -325,10 +332,12 @@ def free_port():
 
 
 def spawned(local_rank, run, args, port):
-    """Entry point of a worker the script started itself: set what torchrun would set, then
-    run(args)."""
-    # torchrun sets OMP_NUM_THREADS=1 unless you set it; without a limit, N workers each
-    # start one thread per core and fight over the cores (2-3x slower on a laptop CPU).
+    """Entry point of a worker the script started itself: set the rank's environment torchrun
+    would set, then run(args). One difference: its thread count (below)."""
+    # Without a limit, N workers each start one thread per core and fight over the cores
+    # (2-3x slower on a laptop CPU). torchrun sets OMP_NUM_THREADS=1 unless you set it, which
+    # leaves cores idle where the workers are fewer than the cores; here each worker gets an
+    # equal share of them instead (cores // N: 1 each on 2 cores, 4 each for 2 workers on 8).
     # Your own OMP_NUM_THREADS wins, as it does under torchrun.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
@@ -448,6 +457,20 @@ def save_atomic(obj, path):
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def unloadable(error):
+    """Why a checkpoint's model weights did not load (the exception torch.load or
+    load_state_dict raised), and what to do, for the one-line refusal."""
+    text = str(error)
+    if '"module.' in text and "Unexpected key" in text:
+        # ddp_model.state_dict(): the wrapper names each weight module.<name>
+        return ("its weights are named module.<name>: saved from the DDP wrapper's state_dict; "
+                "save model.state_dict() (the wrapped model, ddp_model.module) instead, or "
+                "strip the prefix")
+    if "size mismatch" in text or "Missing key" in text:
+        return "saved with another model size; use its --hidden and --blocks"
+    return f"cannot be read ({type(error).__name__}); move it away or point elsewhere"
 
 
 def check_resumable(saved, args, refuse):
@@ -632,6 +655,15 @@ def held_bytes(model, optimizer):
     return 2 * weights + moments
 
 
+def peak_rss():
+    """This process's peak resident memory (Python and torch included), as the summary prints
+    it: ru_maxrss counts KiB on Linux and bytes on macOS; Windows has no `resource` module."""
+    if resource is None:
+        return "n/a (RSS: not measured on Windows)"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"{peak / (2**20 if sys.platform == 'darwin' else 2**10):.1f} MiB (RSS)"
+
+
 class Meter:
     """Throughput of the training loop, timed the way a benchmark must be.
 
@@ -702,8 +734,7 @@ class Meter:
             peak = (f"{allocated / 2**20:.1f} MiB allocated, {reserved / 2**20:.1f} MiB "
                     f"reserved (CUDA{f', {len(self.gpus)} GPUs' if len(self.gpus) > 1 else ''})")
         else:
-            # ru_maxrss is in KiB on Linux: the whole process, Python and torch included.
-            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.1f} MiB (RSS)"
+            peak = peak_rss()
         line = (f"done | steps {self.steps} | final loss {loss:.6f} | {rate:.1f} samples/s"
                 f" | {1e3 * elapsed / max(timed, 1):.2f} ms/step | peak mem {peak}")
         if self.gpus:

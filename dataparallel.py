@@ -20,7 +20,7 @@ When not
 Launch
     python dataparallel.py                   # all visible GPUs, or the CPU if there are none
     CUDA_VISIBLE_DEVICES=0,1 python dataparallel.py
-    python dataparallel.py --fp64          # float64: within ~1e-12 of single.py --fp64
+    python dataparallel.py --fp64          # float64: within 1e-9 of single.py --fp64
     Smallest hardware: any CPU (the model then runs unwrapped) or one GPU.
 
 What DataParallel adds to one device
@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import save_atomic, seed_everything
+from common import save_atomic, seed_everything, unloadable
 
 
 def parse_args(argv=None):
@@ -59,8 +59,8 @@ def parse_args(argv=None):
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--fp64", action="store_true",
                        help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within ~1e-12 of "
-                            "single.py --fp64, so a gap is a bug, not rounding")
+                            "slower, but a correct strategy then ends within 1e-9 of "
+                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--clip", type=float, default=0.0,
@@ -115,8 +115,8 @@ def parse_args(argv=None):
     if args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
-    if args.clip < 0:
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
+    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -165,7 +165,7 @@ def train(args, device):
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
@@ -279,9 +279,7 @@ def load_checkpoint(args, model, optimizer):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse("saved with another model size; use its --hidden and --blocks"
-               if "size mismatch" in str(e) or "Missing key" in str(e)
-               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     print0(f"resumed from {args.checkpoint} at step {state['step']}")

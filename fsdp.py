@@ -36,7 +36,7 @@ Launch
     torchrun --nproc_per_node=8 fsdp.py --mixed-precision bf16   # compute in bf16
     torchrun --nproc_per_node=4 fsdp.py --replicate 2   # HSDP: 2 copies, each sharded in 2
     torchrun --nproc_per_node=2 fsdp.py --reshard-after-forward false   # ZeRO-2-like
-    torchrun --nproc_per_node=2 fsdp.py --fp64   # float64: within ~1e-12 of single.py --fp64
+    torchrun --nproc_per_node=2 fsdp.py --fp64   # float64: within 1e-9 of single.py --fp64
     # sharded checkpoints (a folder: each rank writes its shard), resumable on any number of
     # ranks; turn one into a single plain file with torch's own converter:
     torchrun --nproc_per_node=2 --max-restarts=3 fsdp.py --checkpoint ckpt
@@ -99,8 +99,8 @@ def parse_args(argv=None):
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--fp64", action="store_true",
                        help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within ~1e-12 of "
-                            "single.py --fp64, so a gap is a bug, not rounding")
+                            "slower, but a correct strategy then ends within 1e-9 of "
+                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--clip", type=float, default=0.0,
@@ -183,8 +183,8 @@ def parse_args(argv=None):
         parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
                      f"{world_size} x --accum-steps {args.accum_steps}; "
                      f"use a multiple of {world_size * args.accum_steps}")
-    if args.clip < 0:
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
+    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -248,8 +248,10 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     # shard like a 334-sample one and count the duplicates, and change with the number of
     # ranks (pytorch/pytorch#25162).
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # Modules that keep their gathered weights after forward (the root; with --reshard-after-
-    # forward false every block) wait for a backward that never comes here: free them.
+    # With --reshard-after-forward false every module keeps its gathered weights after
+    # forward, waiting for a backward that never comes here: free them. (By default nothing
+    # waits: fully_shard is told True for the root too, where None, its default, would keep the
+    # root's weights gathered until backward; reshard() then does nothing.)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -263,7 +265,7 @@ def train(args, rank, world_size, device):
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     # --- FSDP: build the model without memory, shard it, then fill the shards ---
@@ -307,7 +309,8 @@ def train(args, rank, world_size, device):
         else init_device_mesh(device.type, (world_size,))
     keep = args.reshard_after_forward == "false"
     # Each Block becomes one unit of communication: its weights are gathered just before it
-    # runs and freed right after, so only one block is ever whole at a time. Blocks first,
+    # runs and freed right after, so a block is whole only around its own turn (in backward
+    # FSDP gathers the next one while the current one computes: two at a time). Blocks first,
     # then the root (the rest: embeddings, final norm, head); the other order fails ("Invariant
     # encountered: value was None"). Without the root, nobody averages the embeddings', the
     # final norm's and the head's gradients: the ranks drift apart, silently.

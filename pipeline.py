@@ -48,7 +48,7 @@ Launch
     torchrun --nproc_per_node=2 pipeline.py    # what clusters use; same flags after the script
     torchrun --nproc_per_node=3 pipeline.py --schedule 1f1b --microbatches 6
     python pipeline.py --nproc 1 --stages 2    # model parallel: one process drives 2 stages
-    python pipeline.py --fp64                  # float64: within ~1e-12 of single.py --fp64
+    python pipeline.py --fp64                  # float64: within 1e-9 of single.py --fp64
     # survive a crash: torchrun restarts the group, which resumes from the checkpoint
     torchrun --nproc_per_node=2 --max-restarts=3 pipeline.py --checkpoint ckpt.pt
     Smallest hardware: any CPU (stages share it; pipeline ranks talk over gloo).
@@ -78,7 +78,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import DATASET_SIZE, SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
-from common import compile_problem, positive, print0, save_atomic, seed_everything
+from common import compile_problem, positive, print0, save_atomic, seed_everything, unloadable
 from common import launch, launcher_store, leave, machine_gpus, ranks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -94,8 +94,8 @@ def parse_args(argv=None):
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--fp64", action="store_true",
                        help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within ~1e-12 of "
-                            "single.py --fp64, so a gap is a bug, not rounding")
+                            "slower, but a correct strategy then ends within 1e-9 of "
+                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
     train.add_argument("--clip", type=float, default=0.0,
                        help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
                             "so the defaults train exactly like every other script)")
@@ -194,8 +194,8 @@ def parse_args(argv=None):
         # Every stage gets at least one block (embeddings on the first, the head on the last).
         parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
                      f"block; use --blocks {args.stages} or more, or fewer stages")
-    if args.clip < 0:
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
+    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -318,7 +318,7 @@ def train(args, rank, world_size, devices):
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
@@ -552,9 +552,7 @@ def load_checkpoint(args, model):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse("saved with another model size; use its --hidden and --blocks"
-               if "size mismatch" in str(e) or "Missing key" in str(e)
-               else f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
+        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
     return state
 

@@ -43,7 +43,7 @@ Launch
     torchrun --nproc_per_node=4 tp.py --tp 2  # 2D: 2 TP groups of 2, FSDP across them
     torchrun --nproc_per_node=2 tp.py --sequence-parallel --loss-parallel  # SP, loss parallel
     torchrun --nproc_per_node=4 tp.py --tp 2 --checkpoint ckpt   # resumable on any mesh
-    torchrun --nproc_per_node=2 tp.py --fp64  # float64: within ~1e-12 of single.py --fp64
+    torchrun --nproc_per_node=2 tp.py --fp64  # float64: within 1e-9 of single.py --fp64
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
     and every TP group inside one machine.
 
@@ -102,8 +102,8 @@ def parse_args(argv=None):
     train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     train.add_argument("--fp64", action="store_true",
                        help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within ~1e-12 of "
-                            "single.py --fp64, so a gap is a bug, not rounding")
+                            "slower, but a correct strategy then ends within 1e-9 of "
+                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
     train.add_argument("--accum-steps", type=positive(int), default=1,
                        help="micro-batches accumulated per optimizer step")
     train.add_argument("--clip", type=float, default=0.0,
@@ -201,8 +201,8 @@ def parse_args(argv=None):
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} TP "
                      f"group(s) x --accum-steps {args.accum_steps}; "
                      f"use a multiple of {dp * args.accum_steps}")
-    if args.clip < 0:
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive norm")
+    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
                      f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
@@ -270,8 +270,9 @@ def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nul
     # ranks (pytorch/pytorch#25162). Over the "dp" dimension only: the T ranks of a group
     # hold the same sums, and adding them all up would count every sample T times.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=mesh.get_group("dp"))
-    # 2D: FSDP's root keeps its gathered weights after forward, expecting backward to need
-    # them soon; after evaluation no backward comes, so hand the memory back.
+    # 2D: FSDP's root keeps its gathered weights after forward (fully_shard's default,
+    # reshard_after_forward=None, for the root), expecting backward to need them soon; after
+    # evaluation no backward comes, so hand the memory back.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -365,7 +366,7 @@ def train(args, rank, world_size, device):
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
     # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
     # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # ~1e-12 of one device, so any gap is a bug. Built (and the data drawn) in fp32, then
+    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
     # cast: an fp64 run starts from exactly the fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     # --- TP: build the model without memory, cut it (and shard it), then fill the pieces ---

@@ -202,10 +202,15 @@ class FromPosition(Sampler):
 
 
 def worker_seed(worker_id):
-    # The DataLoader seeds each worker's torch from its generator (base seed + worker id):
-    # numpy or random, if the dataset uses them, need the same done by hand.
+    # Only shows the seeds: the DataLoader seeds each worker's torch, random and numpy from its
+    # generator (base seed + worker id) itself, so they differ between workers and repeat
+    # from run to run with no worker_init_fn.
+    import random
+    import numpy
     info = torch.utils.data.get_worker_info()
-    print(f"  worker {worker_id}: torch seed {info.seed}", flush=True)
+    print(f"  worker {worker_id}: torch seed {info.seed}, first random.random() "
+          f"{random.random():.6f}, first numpy.random.rand() {numpy.random.rand():.6f}",
+          flush=True)
 
 
 def loader():

@@ -131,7 +131,10 @@ BAD_FLAGS = [
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
     (["--lr=0"], "--lr: must be greater than 0"),
     (["--eval-every=0"], "--eval-every: must be greater than 0"),
-    (["--clip=-1"], "--clip -1.0: must be 0 (no clipping) or a positive norm"),
+    (["--clip=-1"], "--clip -1.0: must be 0 (no clipping) or a positive, finite norm"),
+    (["--clip=nan"], "--clip nan: must be 0 (no clipping) or a positive, finite norm"),
+    (["--lr=nan"], "--lr: must be a finite number, got nan"),
+    (["--lr=inf"], "--lr: must be a finite number, got inf"),
     (["--device=tpu"], "--device: invalid choice: 'tpu'"),
     (["--save=/no/such/folder/w.pt"], "--save /no/such/folder/w.pt: its folder does not exist"),
 ]

@@ -266,13 +266,19 @@ def test_the_mean_of_per_rank_validation_means_misses_the_exact_held_out_loss(la
 
 def test_the_ddp_wrappers_state_dict_does_not_load_into_simplemodel(tmp_path):
     """DDP's own state_dict names every weight "module.<name>": the checkpoint no longer loads
-    strictly into the model, so single.py, or ddp.py on another world size, cannot resume it."""
+    strictly into the model, so single.py, or ddp.py on another world size, cannot resume it;
+    the real ddp.py says why in its one line."""
+    import ddp
     module = imported(mutant("DDP wrapper's state_dict saved", tmp_path / "m"))
-    run_as_only_rank(module, [f"--checkpoint={tmp_path / 'ckpt.pt'}"], tmp_path)
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    ckpt = tmp_path / "ckpt.pt"
+    run_as_only_rank(module, [f"--checkpoint={ckpt}"], tmp_path)
+    state = torch.load(ckpt, weights_only=True)["model"]
     assert all(key.startswith("module.") for key in state)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"]).load_state_dict(state)
+    args = ddp.parse_args([*JOB_FLAGS, "--nproc=1", f"--checkpoint={ckpt}"])
+    with pytest.raises(SystemExit, match="named module.<name>: saved from the DDP wrapper"):
+        ddp.load_checkpoint(args, SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"]), None)
 
 
 def test_a_loss_not_divided_when_accumulating_misses_the_oracle(tmp_path):
