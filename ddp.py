@@ -357,6 +357,11 @@ def train(args, rank, world_size, device):
                 optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
+            if args.zero1:
+                # Written: drop rank 0's consolidated copy of every rank's moments, which would
+                # stay in its memory until the next checkpoint (no public call frees it; the
+                # attribute is the one consolidate_state_dict itself empties and refills).
+                optimizer._all_state_dicts.clear()
     profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
@@ -393,6 +398,10 @@ def load_checkpoint(args, model, optimizer):
         refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        # Its load_state_dict also fills the wrapper's own `state` with a second copy of this
+        # rank's moments, on their device, that nothing reads: Adam's share held twice.
+        optimizer.state.clear()
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
 

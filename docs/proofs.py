@@ -41,6 +41,7 @@ ROWS = {  # label: (ranks under torchrun, or None for `python script`; script; f
     "2D 2x2 x --accum-steps 3 (4 heads)": (4, "tp.py", ["--heads=4", "--tp=2",
                                                          "--accum-steps=3"]),
     "TP 2 + SP (4 heads)": (2, "tp.py", ["--heads=4", "--sequence-parallel"]),
+    "TP 4 + SP (4 heads)": (4, "tp.py", ["--heads=4", "--sequence-parallel"]),
     "TP 2 + SP + loss parallel (4 heads)": (2, "tp.py", ["--heads=4", "--sequence-parallel",
                                                          "--loss-parallel"]),
     "TP 4 + SP + loss parallel (4 heads)": (4, "tp.py", ["--heads=4", "--sequence-parallel",

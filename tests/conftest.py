@@ -308,7 +308,7 @@ def launch_together(commands, timeout=150, env=None):
 # counts from its own start, not from when the queue reaches it. How much longer depends on the
 # machine: four ranks of many small collectives, niced behind busy tests, took 40 s here and
 # were still short of their 20th step after 300 s on a slower CI machine (stop 40's CI).
-LAUNCH_SLOTS = 2
+LAUNCH_SLOTS = 3
 QUEUED_TIMEOUT = 600
 EARLY = {}  # module name: (folder, futures of its results, in order)
 EARLY_FOLDERS = []

@@ -197,3 +197,28 @@ def test_fp64_ddp_over_nccl_on_one_gpu_equals_the_fp64_oracle(tmp_path):
                       "--accum-steps=3", f"--save={tmp_path / 'w.pt'}")
     assert_fp64_run_equals_the_fp64_oracle((ok(result), load_saved(tmp_path / "w.pt")), SEED_A)
 
+
+
+def test_zero1_holds_its_adam_share_once_after_resuming_and_after_each_checkpoint(
+        tmp_path, monkeypatch):
+    """ZeroRedundancyOptimizer.load_state_dict also fills the wrapper's own `state` with a copy
+    of this rank's moments, which nothing reads (on a GPU: 8 + 16/N bytes per weight where
+    8 + 8/N would do), and consolidate_state_dict leaves every rank's moments in rank 0's memory
+    after the checkpoint is written. ddp.py frees both: counted on one rank, resumed."""
+    import ddp
+    seen = []
+    real_load = ddp.load_checkpoint
+
+    def load(args, model, optimizer):
+        step = real_load(args, model, optimizer)
+        seen.append(optimizer)
+        return step
+
+    monkeypatch.setattr(ddp, "load_checkpoint", load)
+    ckpt = f"--checkpoint={tmp_path / 'ckpt.pt'}"
+    run_as_only_rank("ddp", ["--zero1", "--steps=2", ckpt], tmp_path)  # writes it at step 2
+    run_as_only_rank("ddp", ["--zero1", "--steps=4", ckpt], tmp_path)  # resumes at step 2
+    resumed = seen[-1]
+    assert sum(len(s) for s in resumed.optim.state.values()) > 0  # the share Adam steps
+    assert len(resumed.state) == 0  # and no second copy of it
+    assert resumed._all_state_dicts == []  # nor rank 0's consolidated one, once written
