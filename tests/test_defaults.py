@@ -2,9 +2,7 @@
 loss fall. The flags they share have the same defaults everywhere, so the same flags give the
 same numbers whichever script runs them."""
 
-import contextlib
 import importlib
-import io
 import sys
 
 import pytest
@@ -13,10 +11,9 @@ from conftest import (early_results, initial_val_loss, logged_losses, logged_val
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
 SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp"]
-# The multi-process ones are launched as the docstrings say; the single-process ones run their
-# main() in this process (the same code as `python X.py`, without seconds of torch imports for
-# a new process). Model parallelism (pipeline.py --nproc 1) is proven on JOB by
-# tests/test_pipeline.py. Defaults all, except --device=cpu: "auto" would pick a GPU where
+# Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has
+# imported torch already), all queued with the other launches when the tests are collected.
+# Model parallelism (pipeline.py --nproc 1) is proven on JOB by tests/test_pipeline.py. Defaults all, except --device=cpu: "auto" would pick a GPU where
 # there is one, and a GPU machine must pass this suite too.
 LAUNCHED = {
     "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py", "--device=cpu"),
@@ -24,8 +21,9 @@ LAUNCHED = {
     "python pipeline.py": [sys.executable, "pipeline.py", "--device=cpu"],  # starts 2 stages
     "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
     "python cp.py": [sys.executable, "cp.py", "--device=cpu"],  # starts 2 workers
+    **{f"python {script}.py": [sys.executable, f"{script}.py", "--device=cpu"]
+       for script in ("single", "dataparallel", "amp")},  # one process each
 }
-IN_PROCESS = ["single", "dataparallel", "amp"]
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)
@@ -35,18 +33,11 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
 @pytest.fixture(scope="module")
 def default_runs():
     """{name: (stdout, stderr)} of every script's default run."""
-    runs = {}
-    for name, result in zip(LAUNCHED, early_results(__name__)[1]):
-        runs[name] = ok(result), result.stderr
-    for script in IN_PROCESS:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            importlib.import_module(script).main(["--device=cpu"])
-        runs[f"python {script}.py"] = out.getvalue(), ""
-    return runs
+    return {name: (ok(result), result.stderr)
+            for name, result in zip(LAUNCHED, early_results(__name__)[1])}
 
 
-@pytest.mark.parametrize("name", [*LAUNCHED, *(f"python {s}.py" for s in IN_PROCESS)])
+@pytest.mark.parametrize("name", LAUNCHED)
 def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     out, err = default_runs[name]
     # gloo workers that trained correctly must not abort at exit (see ddp.py's run())

@@ -5,8 +5,9 @@ import pytest
 
 from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, fp64, load_saved, logged_losses, max_diff,
-                      needs_cuda, ok, python, run_in_process, summary_val_loss)
+                      assert_norms_are_the_oracles, early_runs, fp64, launched_runs, load_saved,
+                      logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
+                      succeeded, summary_val_loss)
 from reference import reference_train
 
 
@@ -26,13 +27,25 @@ def test_gradient_accumulation_equals_one_big_batch(reference, tmp_path):
     assert max_diff(weights, reference[1]) < TOL
 
 
-@pytest.mark.parametrize("seed", FP64_SEEDS)
-@pytest.mark.parametrize("accum, clip", [(1, FP64_CLIP), (3, None)])
+# The fp64 runs, each `python single.py` forked by tests/preloaded.py and queued when the tests
+# are collected: they run beside the tests before them.
+FP64_CASES = [(seed, accum, clip) for seed in FP64_SEEDS
+              for accum, clip in [(1, FP64_CLIP), (3, None)]]
+RUNS = {case: (None, [*fp64(case[0], clip=case[2]), f"--accum-steps={case[1]}"])
+        for case in FP64_CASES}
+early_launches = early_runs("single.py", RUNS)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launched_runs(__name__, "single.py", RUNS)
+
+
+@pytest.mark.parametrize("seed, accum, clip", FP64_CASES)
 def test_fp64_with_clipping_and_with_accumulation_equals_the_fp64_oracle_on_any_seed(
-        accum, clip, seed, tmp_path):
-    """40 steps over four epochs at lr 0.03, every tensor in float64: within 1e-9."""
-    run = run_in_process("single", [*fp64(seed, clip=clip), f"--accum-steps={accum}"], tmp_path)
-    assert_fp64_run_equals_the_fp64_oracle(run, seed, clip=clip)
+        seed, accum, clip, runs):
+    """40 steps over four epochs at lr 0.01, every tensor in float64: within 1e-9."""
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[seed, accum, clip]), seed, clip=clip)
 
 
 def test_checkpoint_at_step_8_resumes_to_12_uninterrupted_steps(tmp_path):
