@@ -1,7 +1,7 @@
 """Make the README's pictures from real runs of the scripts: nothing here is drawn by hand.
 
     pip install -r docs/requirements.txt
-    python docs/figures.py            # every figure into docs/ (some 70 runs: the longest script here)
+    python docs/figures.py            # every figure into docs/ (some 70 runs: the longest here)
     python docs/figures.py --quick    # the same figures from shorter runs (what CI checks)
 
 proof.png      training and validation loss against step for every strategy on the tests' job,
