@@ -253,22 +253,31 @@ def most_workers(gpus, batch_size, accum_steps=1, width=None):
 
 
 def machine_gpus():
-    """How many GPUs the ranks on this machine drive between them.
+    """How many GPUs this process sees. torchrun and the scripts' own workers (`python ddp.py`)
+    show every worker all of the machine's: then it is the machine's count, local rank r drives
+    cuda:(r mod count), and more ranks than GPUs share them. Under a launcher a rank may see
+    fewer: only its own (srun --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES, a container
+    per rank), or the one GPU every task of the node sees too. A count cannot tell those apart;
+    the GPUs' identities can, once the ranks meet (gpu_sharers, in every setup())."""
+    return torch.cuda.device_count()
 
-    torchrun, and the scripts' own workers (`python ddp.py`), show every worker all of the
-    machine's GPUs: local rank r drives cuda:(r mod count), and more ranks than GPUs share them.
-    Other launchers can give each process one GPU of its own and hide the rest (srun
-    --gpus-per-task=1, one container per rank): then each of the LOCAL_WORLD_SIZE ranks sees a
-    single GPU, its cuda:0, and the machine has one per rank, for NCCL as for the memory.
-    """
-    visible = torch.cuda.device_count()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    started_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    started_by_the_script = multiprocessing.parent_process() is not None  # mp.spawn's workers
-    if visible == 1 and local_world > 1 and not started_by_torchrun \
-            and not started_by_the_script:
-        return local_world
-    return visible
+
+def gpu_sharers(store, device):
+    """How many ranks of this machine drive the GPU this rank drives, itself included (1: a GPU
+    of its own, as NCCL needs). Each rank publishes its GPU's UUID in the store the ranks meet
+    in, under its machine's name and local rank, and reads the others': an index means nothing
+    across processes (every rank of `srun --gpus-per-task=1` drives its own cuda:0, and two
+    tasks on a one-GPU node drive the same cuda:0), a UUID names one physical GPU."""
+    return sharing(store, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]),
+                   str(torch.cuda.get_device_properties(device).uuid))
+
+
+def sharing(store, local_rank, local_world, uuid):
+    """gpu_sharers, given what it reads: the local ranks whose GPU has this `uuid`.
+    Waits (up to the store's timeout) until every rank of the machine has published its own."""
+    machine = dist.PrefixStore(f"gpu_of_local_rank/{socket.gethostname()}", store)
+    machine.set(str(local_rank), uuid)
+    return sum(machine.get(str(r)).decode() == uuid for r in range(local_world))
 
 
 # --- How a process becomes a rank: the same in every distributed script, and none of their
@@ -293,17 +302,19 @@ def ranks(args, default, gpus, to_use_all):
     return args.nproc, args.nproc
 
 
-def launcher_store(world_size, timeout_s):
-    """The store init_process_group should use: None (its own: rank 0 hosts it at MASTER_PORT,
-    as srun's ranks do), or the launcher's (torchrun's agent, or launch() below), with keys of
-    their own for every restart attempt. Without the prefix a restarted gloo group reads the
-    dead attempt's addresses and hangs or fails (docs/traps.md#restarts)."""
+def rendezvous_store(rank, world_size, timeout_s):
+    """The store the ranks meet in, for setup() to compare GPUs in and init_process_group to
+    use. The launcher's (torchrun's agent, or launch() below), with keys of their own for every
+    restart attempt: without the prefix a restarted gloo group reads the dead attempt's
+    addresses and hangs or fails (docs/traps.md#restarts). Without one (srun's ranks), the
+    store init_process_group would make itself: rank 0 hosts it at MASTER_ADDR:MASTER_PORT."""
+    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return dist.PrefixStore(
-        f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                      is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
+        return dist.TCPStore(*address, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
+                            dist.TCPStore(*address, world_size, is_master=False,
+                                          timeout=timeout))
 
 
 def leave():
@@ -851,17 +862,18 @@ def communication_check(device="auto", timeout_s=60, sizes=tuple(4**k for k in r
     """Under torchrun: verify an all-reduce on every rank, then measure its bandwidth.
     device "auto": NCCL on GPUs when every rank has one of its own, else gloo on the CPU."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_nccl = device != "cpu" and torch.cuda.is_available() and \
-        int(os.environ["LOCAL_WORLD_SIZE"]) <= machine_gpus()
-    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_nccl \
-        else torch.device("cpu")
+    store = rendezvous_store(rank, world, timeout_s)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()) \
+        if device != "cpu" and torch.cuda.is_available() else torch.device("cpu")
+    use_nccl = device.type == "cuda" and gpu_sharers(store, device) == 1
     if use_nccl:
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     # A peer that never arrives, or cannot be reached, ends in an error after timeout_s.
     # device_id binds NCCL to this rank's GPU (else barrier() guesses it, with a warning).
-    dist.init_process_group("nccl" if use_nccl else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s),
+    dist.init_process_group("nccl" if use_nccl else "gloo", store=store, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if use_nccl else None)
     backend = dist.get_backend()
     x = torch.full((4,), float(rank + 1), device=device)

@@ -82,7 +82,7 @@ from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_li
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import compile_problem, save_atomic, seed_everything, unloadable
 from common import SEQ_LEN  # what context parallelism cuts
-from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
+from common import gpu_sharers, launch, leave, machine_gpus, most_workers, ranks, rendezvous_store
 
 
 def parse_args(argv=None):
@@ -160,7 +160,7 @@ def parse_args(argv=None):
         args, most_workers(gpus, args.batch_size, args.accum_steps), gpus,
         f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
         f"{gpus * args.accum_steps} to use all")
-    if use_cuda and local_world > gpus:
+    if use_cuda and local_world > gpus and "RANK" not in os.environ:  # else setup() tells
         # DDP's fallback (gloo ranks sharing a GPU) does not carry over: NCCL, one GPU per rank.
         parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
                      "GPU per rank; use fewer ranks or --device cpu")
@@ -210,8 +210,13 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"  # parse_args checked: one GPU per rank
-    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
+    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
+    # NCCL wants a GPU of its own for every rank: told by UUIDs, not counts (common.py).
+    sharers = gpu_sharers(store, device) if use_cuda else 1
+    if sharers > 1:
+        fail(f"{os.path.basename(__file__)}: error: {sharers} ranks drive one GPU, and NCCL "
+             "needs one GPU per rank: use fewer ranks")
+    backend = "nccl" if use_cuda else "gloo"
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),

@@ -75,7 +75,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
 from common import compile_problem, save_atomic, seed_everything, unloadable
-from common import launch, launcher_store, leave, machine_gpus, most_workers, ranks
+from common import gpu_sharers, launch, leave, machine_gpus, most_workers, ranks, rendezvous_store
 
 
 def parse_args(argv=None):
@@ -149,7 +149,7 @@ def parse_args(argv=None):
         args, most_workers(gpus, args.batch_size, args.accum_steps), gpus,
         f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
         f"{gpus * args.accum_steps} to use all")
-    if args.backend == "nccl" and local_world > gpus:
+    if args.backend == "nccl" and (not gpus or local_world > gpus and "RANK" not in os.environ):
         parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} GPU(s); "
                      "NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
     if args.batch_size % (world_size * args.accum_steps):
@@ -173,7 +173,6 @@ def setup(args):
     rank = int(os.environ["RANK"])  # which shard of the data this process trains on
     local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
     world_size = int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
@@ -186,20 +185,23 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
+    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
+    # NCCL wants a GPU of its own for every rank: told by UUIDs, not counts (common.py).
+    sharers = gpu_sharers(store, device) if use_cuda else 1
     backend = args.backend
     if backend == "auto":
-        backend = "nccl" if use_cuda and local_world <= machine_gpus() else "gloo"
-    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
+        backend = "nccl" if use_cuda and sharers == 1 else "gloo"
+    if backend == "nccl" and sharers > 1:
+        fail(f"{os.path.basename(__file__)}: error: {sharers} ranks, one GPU: use --backend gloo")
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     print0(f"ddp: {world_size} ranks | backend {backend} | device {device.type} | "
            f"torch {torch.__version__}")
-    if use_cuda and backend == "gloo":
-        # More ranks than GPUs: gloo ranks share them through host copies, a test setup
-        # (clusters' EXCLUSIVE_PROCESS GPUs refuse it: docs/traps.md#gloo-on-gpus).
-        print0(f"ddp: {local_world} ranks share {machine_gpus()} GPU(s) over gloo: slow")
+    if sharers > 1:
+        # Host copies: a test setup; EXCLUSIVE_PROCESS GPUs refuse it (docs/traps.md#gloo-on-gpus).
+        print0(f"ddp: {sharers} ranks share a GPU over gloo: slow")
     return rank, world_size, device
 
 

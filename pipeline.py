@@ -79,7 +79,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import DATASET_SIZE, SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
 from common import compile_problem, positive, print0, save_atomic, seed_everything, unloadable
-from common import launch, launcher_store, leave, machine_gpus, ranks
+from common import gpu_sharers, launch, leave, machine_gpus, ranks, rendezvous_store
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -174,7 +174,7 @@ def parse_args(argv=None):
     else:
         args.stages = world_size
         args.microbatches, args.schedule = args.microbatches or 4, args.schedule or "gpipe"
-        if use_cuda and local_world > gpus:
+        if use_cuda and local_world > gpus and "RANK" not in os.environ:  # else setup() tells
             # DDP's gloo fallback (ranks sharing a GPU) does not carry over: gloo sends and
             # receives CPU tensors only, and a stage's activations live on its GPU.
             parser.error(f"{local_world} stages on this machine but {gpus} GPU(s): each stage "
@@ -215,8 +215,7 @@ def setup(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
-        # cuda:8 does not exist. parse_args checked that every stage has a GPU of its own
-        # (cuda:0, where a launcher shows each rank only its own).
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         # Before init_process_group: NCCL binds to the *current* device, and without this
         # every rank would create its context and buffers on cuda:0.
@@ -225,8 +224,13 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
+    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
+    # A GPU of its own for every stage: told by UUIDs, not counts (common.py).
+    sharers = gpu_sharers(store, device) if use_cuda else 1
+    if sharers > 1:
+        fail(f"{os.path.basename(__file__)}: error: {sharers} stages drive one GPU, and each "
+             "stage needs a GPU of its own: use fewer ranks or --device cpu")
     backend = "nccl" if use_cuda else "gloo"  # the tensors the stages send live on `device`
-    store = launcher_store(world_size, args.timeout)  # torchrun's, or launch()'s
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),

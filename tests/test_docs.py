@@ -1,9 +1,12 @@
 """The README and docs/ link only to files that exist, every picture and page, and name only
-flags the scripts have; the diffs the README recommends stay the size it says."""
+flags the scripts have; the diffs the README recommends stay the size it says; every number a
+page states that the code decides is what the code gives now (docs/derived.py)."""
 
 import ast
 import difflib
+import importlib.util
 import re
+import shutil
 
 import pytest
 
@@ -96,6 +99,44 @@ def test_each_recommended_diff_stays_within_its_limit_and_the_readme_shows_its_s
         n = changed_lines((REPO / f"{a}.py").read_text(), (REPO / f"{b}.py").read_text())
         assert table[a, b] == n, f"README says diff {a}.py {b}.py changes {table[a, b]} lines: {n}"
         assert limit is None or n <= limit, f"diff {a}.py {b}.py: {n} changed lines, over {limit}"
+
+
+def derived():
+    """docs/derived.py, imported from its file (docs/ is no package)."""
+    spec = importlib.util.spec_from_file_location("derived", REPO / "docs" / "derived.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_number_a_page_derives_from_the_code_is_what_the_code_gives_now():
+    """Parameter counts, sizes, the zoo's size...: `python docs/derived.py` rewrites them."""
+    assert derived().rewrite(REPO, write=False) == []
+
+
+def test_the_derived_numbers_check_fails_on_a_page_whose_number_changed_and_rewrites_it(
+        tmp_path, capsys):
+    """The check, on a copy of the pages with one marked number changed by hand: it names the
+    page, the line and both values, and exits non-zero; without --check it rewrites the page
+    and the check passes again. A marker naming no number is an error, not a silent pass."""
+    shutil.copy(REPO / "README.md", tmp_path)
+    shutil.copytree(REPO / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
+    readme = tmp_path / "README.md"
+    text = readme.read_text()
+    count = re.search(r"<!--parameters-->([0-9,]+)<!--/-->", text)
+    readme.write_text(text.replace(count.group(0), "<!--parameters-->1,234<!--/-->"))
+    line = text.count("\n", 0, count.start()) + 1
+    script = derived()
+    with pytest.raises(SystemExit, match="1 stale number"):
+        script.main(["--check", f"--root={tmp_path}"])
+    assert capsys.readouterr().out == (f"README.md:{line}: parameters says 1,234, the code gives "
+                                       f"{count.group(1)}\n")
+    script.main([f"--root={tmp_path}"])
+    assert readme.read_text() == text
+    script.main(["--check", f"--root={tmp_path}"])
+    readme.write_text(text.replace(count.group(0), "<!--parameter-->1<!--/-->"))
+    with pytest.raises(SystemExit, match="marker <!--parameter--> names no number"):
+        script.main(["--check", f"--root={tmp_path}"])
 
 
 def test_each_exercise_can_be_run_alone_by_the_k_expression_its_row_gives():

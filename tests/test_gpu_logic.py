@@ -4,6 +4,8 @@ and stage counts on 1-8 GPUs, the autocast type by compute capability, every scr
 where GPUs are visible, one GPU per rank (srun --gpus-per-task=1), FSDP's mesh on the CPU
 where a GPU is visible, weights saved as CPU tensors, and a clock that waits for every GPU."""
 
+import concurrent.futures
+import datetime
 import functools
 import importlib
 import sys
@@ -182,44 +184,95 @@ def joining(monkeypatch):
     return calls
 
 
+def test_gpu_sharers_counts_the_ranks_of_the_machine_whose_gpu_has_the_same_uuid():
+    """4 local ranks, two of them on one GPU: each learns how many drive its own, however the
+    ranks arrive (each waits in the store for the others)."""
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    uuids = ["GPU-a", "GPU-b", "GPU-a", "GPU-c"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        counts = list(pool.map(lambda r: common.sharing(store, r, 4, uuids[r]), [3, 2, 1, 0]))
+    assert counts == [1, 2, 1, 2]
+
+
+@pytest.fixture
+def machine_of(fake_gpus, monkeypatch):
+    """A machine whose local rank r sees one GPU, its cuda:0, with the UUID uuids[r] (a GPU of
+    its own, or one that other ranks see too). This process is rank 0, started by `launcher`;
+    the other ranks publish their GPUs in the store the ranks meet in, from threads."""
+    def install(launcher, uuids, module):
+        fake_gpus(1)
+        n = len(uuids)
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(n),
+               "LOCAL_WORLD_SIZE": str(n)}
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        if launcher == "torchrun":  # torchrun with a per-rank CUDA_VISIBLE_DEVICES, say
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        else:  # srun --gpus-per-task=1, or two tasks on a one-GPU node
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: types.SimpleNamespace(uuid=uuids[0]))
+        store = dist.HashStore()
+        store.set_timeout(datetime.timedelta(seconds=30))
+        monkeypatch.setattr(module, "rendezvous_store", lambda *args: store)
+        pool = concurrent.futures.ThreadPoolExecutor(n - 1)
+        for r in range(1, n):
+            pool.submit(common.sharing, store, r, n, uuids[r])
+        pool.shutdown(wait=False)
+    return install
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 @pytest.mark.parametrize("script", ["ddp", "fsdp", "tp", "pipeline", "cp"])
-def test_one_visible_gpu_per_rank_is_each_ranks_own_cuda0_over_nccl(
-        script, fake_gpus, as_torchrun, joining, monkeypatch):
-    """srun --gpus-per-task=1 (or a container per rank): 4 ranks on a machine, each seeing one
-    GPU, its own. Every rank drives its cuda:0 over NCCL; none refuses or falls back to gloo."""
-    fake_gpus(1)
-    as_torchrun(4)
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not torchrun: srun started it
+def test_ranks_that_each_see_one_gpu_of_their_own_each_drive_it_as_cuda0_over_nccl(
+        script, launcher, machine_of, joining):
+    """srun --gpus-per-task=1, a container per rank, or torchrun with a per-rank
+    CUDA_VISIBLE_DEVICES: 4 ranks on a machine, each seeing one GPU, its own (4 UUIDs). Every
+    rank drives its cuda:0 over NCCL; none refuses or falls back to gloo."""
     module = importlib.import_module(script)
+    machine_of(launcher, ["GPU-0", "GPU-1", "GPU-2", "GPU-3"], module)
     with pytest.raises(Joined):
         module.setup(module.parse_args(["--device=cuda"]))
     assert joining == {"gpu": torch.device("cuda", 0), "backend": "nccl",
                        "device_id": torch.device("cuda", 0)}
 
 
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 @pytest.mark.parametrize("script", ["fsdp", "tp", "pipeline", "cp"])
-def test_under_torchrun_one_gpu_for_4_ranks_is_shared_and_refused(script, fake_gpus,
-                                                                  as_torchrun, monkeypatch,
-                                                                  capsys):
-    """torchrun shows every worker all of the machine's GPUs: one GPU for 4 ranks is one GPU
-    they would share, which NCCL cannot do."""
-    fake_gpus(1)
-    as_torchrun(4)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    refused_in_one_line(script, ["--device=cuda"], "but 1 GPU(s)", capsys)
+def test_ranks_that_see_the_same_one_gpu_are_refused_in_one_line(script, launcher, machine_of,
+                                                                joining, capsys):
+    """Two Slurm tasks on a one-GPU node, or torchrun's 2 ranks on one GPU: both see one GPU,
+    the same (one UUID). NCCL cannot share a GPU between ranks: refused before the group."""
+    module = importlib.import_module(script)
+    machine_of(launcher, ["GPU-0", "GPU-0"], module)
+    with pytest.raises(SystemExit) as exit_:
+        module.setup(module.parse_args(["--device=cuda"]))
+    assert str(exit_.value).startswith(f"{script}.py: error: 2 ")
+    assert "drive one GPU" in str(exit_.value) and "\n" not in str(exit_.value)
+    assert "backend" not in joining  # the group was never joined
 
 
-def test_under_torchrun_ddp_shares_one_gpu_between_4_ranks_over_gloo(fake_gpus, as_torchrun,
-                                                                       joining, monkeypatch):
+@pytest.mark.parametrize("script", ["fsdp", "tp", "pipeline", "cp"])
+def test_python_x_py_refuses_more_workers_than_gpus_before_starting_them(script, fake_gpus,
+                                                                       capsys):
+    """`python X.py --nproc 2` on one GPU: its own workers all see the machine's GPUs, so the
+    count is certain, and it refuses in one line before any worker starts."""
     fake_gpus(1)
-    as_torchrun(4)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    refused_in_one_line(script, ["--device=cuda", "--nproc=2"], "but 1 GPU(s)", capsys)
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_ddp_ranks_that_see_the_same_one_gpu_share_it_over_gloo(launcher, machine_of, joining,
+                                                                capsys):
     import ddp
+    machine_of(launcher, ["GPU-0", "GPU-0"], ddp)
     with pytest.raises(Joined):
         ddp.setup(ddp.parse_args(["--device=cuda"]))
     assert joining == {"gpu": torch.device("cuda", 0), "backend": "gloo", "device_id": None}
+    with pytest.raises(SystemExit, match="2 ranks, one GPU: use --backend gloo"):
+        machine_of(launcher, ["GPU-0", "GPU-0"], ddp)
+        ddp.setup(ddp.parse_args(["--device=cuda", "--backend=nccl"]))
 
 
 def test_dataparallel_refuses_activation_checkpointing_on_2_gpus_in_one_line(fake_gpus, capsys):
@@ -272,10 +325,17 @@ def test_a_refusal_over_nccl_leaves_the_group_before_its_one_line(backend, destr
 
 def test_the_communication_check_binds_nccl_to_its_rank_s_gpu(fake_gpus, as_torchrun, joining,
                                                              monkeypatch):
+    """torchrun's 2 ranks, both seeing the machine's 2 GPUs: rank 1 drives cuda:1 (its own,
+    told by its UUID, beside rank 0's cuda:0)."""
     fake_gpus(2)
     as_torchrun(2)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(Joined):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(uuid=f"GPU-{device.index}"))
+    store = dist.HashStore()
+    monkeypatch.setattr(common, "rendezvous_store", lambda *args: store)
+    with concurrent.futures.ThreadPoolExecutor(1) as rank0, pytest.raises(Joined):
+        rank0.submit(common.sharing, store, 0, 2, "GPU-0")
         common.communication_check()
     assert joining == {"gpu": torch.device("cuda", 1), "backend": "nccl",
                        "device_id": torch.device("cuda", 1)}
