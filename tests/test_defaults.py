@@ -3,18 +3,21 @@ loss fall. The flags they share have the same defaults everywhere, so the same f
 same numbers whichever script runs them."""
 
 import importlib
+import re
 import sys
 
 import pytest
+import torch
 
-from conftest import (early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
+from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
 SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp"]
 # Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has
 # imported torch already), all queued with the other launches when the tests are collected.
-# Model parallelism (pipeline.py --nproc 1) is proven on JOB by tests/test_pipeline.py. Defaults all, except --device=cpu: "auto" would pick a GPU where
-# there is one, and a GPU machine must pass this suite too.
+# Model parallelism (pipeline.py --nproc 1) is proven on JOB by tests/test_pipeline.py.
+# Defaults all, except --device=cpu: "auto" would pick a GPU where there is one, and a GPU
+# machine must pass this suite too.
 LAUNCHED = {
     "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py", "--device=cpu"),
     "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
@@ -63,3 +66,28 @@ def test_shared_flags_have_the_same_defaults_in_every_script(monkeypatch):
         assert len({repr(d[key]) for d in defaults.values()}) == 1, (key, defaults)
     # amp.py's extra knob is off by default: its fp32 run is the others' run
     assert defaults["amp"]["clip"] == 0
+
+
+def trained_numbers(log):
+    """The step and eval lines of a log without their timings: what a machine repeats exactly."""
+    return [re.sub(r" *\|? *[0-9.]+ samples/s", "", line).rstrip()
+            for line in log.splitlines() if line.startswith(("step ", "eval "))]
+
+
+def test_the_readme_shows_what_its_first_command_prints_on_the_cpu_and_torch_it_names(
+        default_runs):
+    """README's output block (`torchrun --nproc_per_node=2 ddp.py`): its losses, gradient
+    norms and validation losses are what that command prints now. Checked where the README
+    says it was measured (that CPU and torch); another CPU's kernels may move the last digits."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"The first command ends like this.*?```\n(.*?)```", readme, re.S).group(1)
+    cpu, capability, version = re.search(
+        r"Measured on \d+ cores of an? (.+?) \(CPU capability (\w+)\), torch (\S+?);",
+        " ".join(readme.split())).groups()
+    here = (open("/proc/cpuinfo").read() if sys.platform == "linux" else "",
+            torch.backends.cpu.get_cpu_capability(), torch.__version__)
+    if cpu not in here[0] or here[1:] != (capability, version):
+        pytest.skip(f"the README's output was measured on an {cpu}, {capability}, torch "
+                    f"{version}; this is {here[1]}, torch {here[2]}")
+    out, _ = default_runs["torchrun --nproc_per_node=2 ddp.py"]
+    assert trained_numbers(block) == trained_numbers(out)
