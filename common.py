@@ -311,10 +311,18 @@ def rendezvous_store(rank, world_size, timeout_s):
     address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return dist.TCPStore(*address, world_size, is_master=rank == 0, timeout=timeout)
+        return tcp_store(*address, world_size, is_master=rank == 0, timeout=timeout)
     return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-                            dist.TCPStore(*address, world_size, is_master=False,
+                            tcp_store(*address, world_size, is_master=False,
                                           timeout=timeout))
+
+
+def tcp_store(*args, **kwargs):
+    """dist.TCPStore on every platform. Its default server since torch 2.4 is libuv, which
+    PyTorch's Windows wheels are built without: asked for it there, the store fails ("use_libuv
+    was requested but PyTorch was build without libuv support", pytorch/pytorch#139990; torchrun
+    on Windows needs USE_LIBUV=0 for the same reason). So not on Windows; elsewhere, libuv."""
+    return dist.TCPStore(*args, use_libuv=sys.platform != "win32", **kwargs)
 
 
 def leave():
@@ -355,7 +363,7 @@ def spawned(local_rank, run, args, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
                       LOCAL_WORLD_SIZE=str(args.nproc),
-                      # The store is the launcher's, as under torchrun: launcher_store() joins it.
+                      # The store is the launcher's, as under torchrun: rendezvous_store() joins it.
                       TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     as_rank(run, args)
 
@@ -391,7 +399,7 @@ def launch(run, args):
     # The rendezvous store, hosted here as torchrun's agent hosts its own: on a port the OS
     # picks and this process holds, so nothing can take it before the workers connect (a port
     # only found free, then bound by rank 0 seconds later, can be: "address already in use").
-    store = dist.TCPStore("127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False)
+    store = tcp_store("127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False)
     # mp.spawn passes each worker its index, waits for all, and if one fails it terminates
     # the others and raises here.
     try:

@@ -1,9 +1,14 @@
-"""common.py: the diagnostics find what this machine has and prove the ranks can talk."""
+"""common.py: the diagnostics find what this machine has and prove the ranks can talk; what
+it decides by platform (peak memory, the store) lets every script start on macOS and Windows."""
 
 import re
+import sys
+import types
+
+import pytest
 
 import common
-from conftest import REPO, early_results, ok, torchrun_cmd
+from conftest import REPO, early_results, ok, run_as_only_rank, run_in_process, torchrun_cmd
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)
@@ -35,7 +40,6 @@ def test_communication_check_verifies_an_all_reduce_and_measures_bandwidth():
 def test_peak_memory_reads_kib_on_linux_bytes_on_macos_and_nothing_on_windows(monkeypatch):
     """ru_maxrss counts KiB on Linux and bytes on macOS (1024x apart); Windows has no
     `resource` module at all. Faked: the platform and the kernel's answer."""
-    import types
     peak = 300 * 2**20  # bytes, as macOS would say it
     monkeypatch.setattr(common, "resource", types.SimpleNamespace(
         RUSAGE_SELF=0, getrusage=lambda who: types.SimpleNamespace(ru_maxrss=peak)))
@@ -61,3 +65,40 @@ def test_no_script_imports_a_module_windows_lacks_outside_a_fallback():
                 names = {a.name for a in node.names} if isinstance(node, ast.Import) \
                     else {node.module}
                 assert not names & unix_only, f"{path.name}: import {names & unix_only}"
+
+
+class Platform(types.ModuleType):
+    """The `sys` common.py sees, saying it runs on `platform`; everything else is the real sys."""
+
+    def __init__(self, platform):
+        super().__init__("sys")
+        self.platform = platform
+
+    def __getattr__(self, name):
+        return getattr(sys, name)
+
+
+@pytest.mark.parametrize("platform", ["darwin", "win32"])
+@pytest.mark.parametrize("script", ["single", "dataparallel", "amp", "pipeline",
+                                    "ddp", "fsdp", "tp", "cp"])
+def test_every_script_starts_and_trains_a_step_where_common_takes_it_for_macos_or_windows(
+        script, platform, monkeypatch, tmp_path):
+    """What common.py decides by platform, faked for the whole run: on Windows there is no
+    `resource` module and the rank's store is a TCPStore without libuv (PyTorch's Windows
+    wheels lack it); on macOS the peak memory is read in bytes. The distributed scripts run as
+    torchrun's only worker (the store then is rank 0's own, the one srun's ranks use)."""
+    monkeypatch.setattr(common, "sys", Platform(platform))
+    if platform == "win32":
+        monkeypatch.setattr(common, "resource", None)
+    stores = []
+    real_store = common.dist.TCPStore
+    monkeypatch.setattr(common.dist, "TCPStore", lambda *args, **kwargs: stores.append(kwargs)
+                        or real_store(*args, **kwargs))
+    flags = ["--steps=1", *(["--dtype=fp32"] if script == "amp" else [])]
+    run = run_in_process if script in ("single", "dataparallel", "amp") else run_as_only_rank
+    out, weights = run(script, flags, tmp_path)
+    summary = out.splitlines()[-1]
+    assert summary.startswith("done | steps 1 |") and weights
+    assert ("n/a (RSS: not measured on Windows)" in summary) == (platform == "win32")
+    assert all(store["use_libuv"] == (platform != "win32") for store in stores)
+    assert len(stores) == (run is run_as_only_rank)
