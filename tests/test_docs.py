@@ -25,6 +25,27 @@ def test_every_image_and_page_a_page_links_exists(page):
         assert "docs/proof.png" in local
 
 
+def headings(page):
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as
+    hyphens ("Where a step's time goes: `--profile`" -> where-a-steps-time-goes---profile)."""
+    anchors, in_code = set(), False
+    for line in page.read_text().splitlines():
+        in_code ^= line.startswith("```")
+        if not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_section_a_page_links_to_exists(page):
+    links = re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text())
+    missing = [f"{target}#{anchor}" for target, anchor in links
+               if (target == "" or target.endswith(".md"))
+               and anchor not in headings(page.parent / target if target else page)]
+    assert not missing, f"{page.name} links to missing sections: {missing}"
+
+
 SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "cp", "common"]
 
 
