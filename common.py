@@ -393,6 +393,9 @@ def as_rank(run, args):
 def launch(run, args):
     """run(args) in this process if a launcher made it a rank; else in args.nproc workers on
     this machine, started here, with one exit status for all of them."""
+    if not dist.is_available():  # a torch built without it (some macOS and Windows builds)
+        fail(f"{os.path.basename(sys.argv[0])}: error: this torch {torch.__version__} has no "
+             "torch.distributed; install PyTorch's wheel from pytorch.org (or use single.py)")
     if "RANK" in os.environ:
         as_rank(run, args)  # torchrun started one process per rank; this is one of them
         return

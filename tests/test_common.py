@@ -102,3 +102,14 @@ def test_every_script_starts_and_trains_a_step_where_common_takes_it_for_macos_o
     assert ("n/a (RSS: not measured on Windows)" in summary) == (platform == "win32")
     assert all(store["use_libuv"] == (platform != "win32") for store in stores)
     assert len(stores) == (run is run_as_only_rank)
+
+
+@pytest.mark.parametrize("script", ["ddp", "fsdp", "tp", "cp", "pipeline"])
+def test_a_torch_without_torch_distributed_is_told_in_one_line(script, monkeypatch):
+    """Some builds (older macOS wheels, some Windows and conda ones) have no torch.distributed:
+    the distributed scripts say so in one line, before anything starts."""
+    monkeypatch.setattr(common.dist, "is_available", lambda: False)
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--device=cpu", "--nproc=1"])
+    assert "has no torch.distributed" in str(exit_.value) and "\n" not in str(exit_.value)
