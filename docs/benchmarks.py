@@ -122,13 +122,14 @@ def dataparallel(reps=2):
 
 
 def checkpointing(reps=2):
-    """Activation checkpointing where activations dominate: a narrow, deep model on a large
-    batch (16 blocks of hidden 64, 4 heads; 256 sequences of 16 tokens per rank). What a block
-    keeps for backward, per token, in theory (docs/performance.md): about 13 x hidden numbers
-    plus the attention weights (heads x sequence); with checkpointing, only its input (1 x
-    hidden) and one block's recomputation at a time. Measured as the peak RSS above the same
-    run on a batch of 2 (torch itself, the weights, Adam's state: ~350 MB)."""
-    flags = ["--hidden=64", "--blocks=16", "--heads=4", "--steps=8", "--batch-size=512",
+    """Activation checkpointing where activations dominate: a deep model on a large batch (8
+    blocks of hidden 256, 4 heads; 256 sequences of 16 tokens per rank), wide enough that a
+    block's time is its matrix products, not Python (at hidden 64 the recomputed forward also
+    repeats the Python and dispatch work that dominates there: docs/compile.md). What a block
+    keeps for backward, per token, in theory: about 12 x hidden numbers; with checkpointing,
+    only its input (1 x hidden) and one block's recomputation at a time. Measured as the peak
+    RSS above the same run on a batch of 2 (torch itself, the weights, Adam's state)."""
+    flags = ["--hidden=256", "--blocks=8", "--heads=4", "--steps=8", "--batch-size=512",
              "--log-every=1000", "--eval-every=1000", "--device=cpu"]
     rows = []
     for script in ("ddp.py", "fsdp.py"):
@@ -144,7 +145,7 @@ def checkpointing(reps=2):
                 peak = float(re.search(r"peak mem ([0-9.]+) MiB", line).group(1))
                 rows.append([script, "on" if ac else "off", f"{rate:.0f}", f"{ms:.0f}",
                              f"{peak:.0f}", f"{peak - base:.0f}"])
-    table("Activation checkpointing, 2 ranks, 16 blocks of hidden 64, batch 512 "
+    table("Activation checkpointing, 2 ranks, 8 blocks of hidden 256, batch 512 "
           "(peak RSS of rank 0's process)", ["script", "checkpointing", "samples/s", "ms/step",
                                              "peak MiB", "above batch 2, MiB"], rows)
 

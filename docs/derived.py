@@ -65,14 +65,19 @@ def performance_model():
     return parameters(hidden=256, blocks=2, heads=4)
 
 
+def checkpointing_model():
+    """docs/compile.md's activation checkpointing model (docs/benchmarks.py checkpointing)."""
+    return parameters(hidden=256, blocks=8, heads=4)
+
+
 def memory_model():
     """docs/memory.md's model."""
     return parameters(hidden=384, blocks=4, heads=6)
 
 
 # name: how the code gives it, as the pages write it. Sizes: docs/performance.md's benchmark
-# model (--hidden 256 --blocks 2 --heads 4), docs/memory.md's (--hidden 384 --blocks 4
-# --heads 6). MB = 1e6 bytes, MiB = 2**20, as the pages say.
+# model (--hidden 256 --blocks 2 --heads 4), docs/compile.md's checkpointing model (--hidden
+# 256 --blocks 8 --heads 4), docs/memory.md's (--hidden 384 --blocks 4 --heads 6). MB = 1e6 bytes, MiB = 2**20, as the pages say.
 NUMBERS = {
     "parameters": lambda: f"{parameters():,}",
     "parameters-m": lambda: f"{parameters() / 1e6:.1f}",
@@ -85,6 +90,7 @@ NUMBERS = {
     "performance-parameters-m": lambda: f"{performance_model() / 1e6:.1f}",
     "performance-gradient-mb": lambda: f"{performance_model() * 4 / 1e6:.1f}",
     "performance-state-mib": lambda: f"{performance_model() * 16 / 2**20:.1f}",
+    "checkpointing-parameters-m": lambda: f"{checkpointing_model() / 1e6:.1f}",
     "memory-parameters-m": lambda: f"{memory_model() / 1e6:.1f}",
     "memory-psi-mb": lambda: f"{memory_model() * 4 / 1e6:.1f}",
     "memory-state-mb": lambda: f"{memory_model() * 16 / 1e6:.0f}",
