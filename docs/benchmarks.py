@@ -2,6 +2,7 @@
 
     python docs/benchmarks.py            # every table, every repetition (~10 minutes, 2 cores)
     python docs/benchmarks.py tp ddp     # only these tables
+    python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -53,9 +54,9 @@ def table(title, header, rows):
         print("| " + " | ".join(row) + " |", flush=True)
 
 
-def ddp(reps=3):
+def ddp(reps=3, batches=(128, 256)):
     rows = []
-    for batch in (128, 256):
+    for batch in batches:
         for _ in range(reps):
             (one, _), = rates(torchrun(1, "ddp.py", batch))
             (two, _), = rates(torchrun(2, "ddp.py", batch))
@@ -86,15 +87,15 @@ def tp(reps=1):
         "TP MB/step (theory)", "DDP MB/step (theory)"], rows)
 
 
-def fsdp(reps=3):
+def fsdp(reps=3, batches=(256,)):
     rows = []
-    for i in range(reps):
-        (d, _), = rates(torchrun(2, "ddp.py", 256))
-        (f, line), = rates(torchrun(2, "fsdp.py", 256))
+    for batch, i in [(batch, i) for batch in batches for i in range(reps)]:
+        (d, _), = rates(torchrun(2, "ddp.py", batch))
+        (f, line), = rates(torchrun(2, "fsdp.py", batch))
         state = re.search(r"state ([0-9.]+ MiB/rank)", line).group(1)
-        rows.append([str(i + 1), f"{d:.0f}", f"{f:.0f}", f"{f / d:.0%}", state])
-    table("FSDP against DDP, 2 ranks, batch 256 (samples/s)",
-          ["repetition", "DDP", "FSDP", "FSDP / DDP", "FSDP state per rank"], rows)
+        rows.append([str(batch), str(i + 1), f"{d:.0f}", f"{f:.0f}", f"{f / d:.0%}", state])
+    table("FSDP against DDP, 2 ranks (samples/s)", ["global batch", "repetition", "DDP", "FSDP",
+                                                    "FSDP / DDP", "FSDP state per rank"], rows)
 
 
 def pipeline(reps=2):
@@ -175,5 +176,6 @@ TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
 if __name__ == "__main__":
     import torch
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, size: {' '.join(SIZE)}")
-    for name in sys.argv[1:] or TABLES:
-        TABLES[name]()
+    batches = tuple(int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--batch="))
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")] or TABLES:
+        TABLES[name](**({"batches": batches} if batches and name in ("ddp", "fsdp") else {}))
