@@ -44,7 +44,8 @@ from common import SimpleModel, free_port  # noqa: E402
 # accumulation. In float64 two correct strategies agree to ~1e-13 over 48 steps (measured on
 # seeds 1-8, 1 rank against 2 and 3: at most 2.0e-13; python docs/drift.py), so FP64_TOL is
 # four orders of magnitude above rounding and a gap is a bug. (At lr 0.03 float64 parts
-# further: up to 4e-11 here, past 1e-9 on seeds 1 and 3 on another CPU; docs/drift.md.) Any
+# further: up to 4e-11 here, past 1e-9 on seeds 1 and 3 in an earlier measurement;
+# docs/drift.md.) Any
 # seeds prove it: FP64_SEEDS=7,8 python -m pytest -q tests runs the fp64 proof on seeds 7, 8.
 JOB = dict(steps=8, batch_size=300, lr=3e-3, seed=0, hidden=24, blocks=3, heads=3)
 FP64_JOB = dict(steps=40, batch_size=180, lr=0.01)  # 180: 2, 3 and 4 ranks, x3 micro-batches
