@@ -319,9 +319,10 @@ def rendezvous_store(rank, world_size, timeout_s):
 
 def tcp_store(*args, **kwargs):
     """dist.TCPStore on every platform. Its default server since torch 2.4 is libuv, which
-    PyTorch's Windows wheels are built without: asked for it there, the store fails ("use_libuv
-    was requested but PyTorch was build without libuv support", pytorch/pytorch#139990; torchrun
-    on Windows needs USE_LIBUV=0 for the same reason). So not on Windows; elsewhere, libuv."""
+    PyTorch's Windows wheels have been built without: asked for it there, the store fails
+    ("use_libuv was requested but PyTorch was build without libuv support", pytorch/pytorch
+    #139990; torchrun on Windows needs USE_LIBUV=0 for the same reason). So TCPStore's older
+    server on Windows; elsewhere, libuv."""
     return dist.TCPStore(*args, use_libuv=sys.platform != "win32", **kwargs)
 
 
