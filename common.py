@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -313,8 +312,7 @@ def rendezvous_store(rank, world_size, timeout_s):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return tcp_store(*address, world_size, is_master=rank == 0, timeout=timeout)
     return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-                            tcp_store(*address, world_size, is_master=False,
-                                          timeout=timeout))
+                            tcp_store(*address, world_size, is_master=False, timeout=timeout))
 
 
 def tcp_store(*args, **kwargs):
