@@ -3,6 +3,7 @@
     python docs/benchmarks.py            # every table, every repetition (~10 minutes, 2 cores)
     python docs/benchmarks.py tp ddp     # only these tables
     python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
+    python docs/benchmarks.py ddp fsdp --batch=512 --reps=5   # and 5 repetitions of each row
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -14,6 +15,7 @@ not a test: nothing here asserts a speed.
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -33,9 +35,9 @@ def python(script, batch, *flags):
     return [sys.executable, script, *SIZE, f"--batch-size={batch}", *flags]
 
 
-def rates(*commands):
+def rates(*commands, **env):
     """Run the commands at the same time; return each one's samples/s (and its summary)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     procs = [subprocess.Popen(c, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL) for c in commands]
     out = []
@@ -54,6 +56,14 @@ def table(title, header, rows):
         print("| " + " | ".join(row) + " |", flush=True)
 
 
+def medians(rows, column):
+    """Below a table: each batch's median of a ratio column (its rows' repetitions)."""
+    for batch in dict.fromkeys(row[0] for row in rows):
+        ratios = [float(row[column].rstrip("%")) for row in rows if row[0] == batch]
+        print(f"\nbatch {batch}: median {statistics.median(ratios):.0f}% of {len(ratios)} "
+              f"(lowest {min(ratios):.0f}%, highest {max(ratios):.0f}%)", flush=True)
+
+
 def ddp(reps=3, batches=(128, 256)):
     rows = []
     for batch in batches:
@@ -66,6 +76,7 @@ def ddp(reps=3, batches=(128, 256)):
                          f"{ceiling / one:.2f}x", f"{two / ceiling:.0%}"])
     table("DDP against the ceiling (samples/s)", ["global batch", "1 rank", "DDP, 2 ranks",
           "ceiling (2 independent)", "ceiling / 1 rank", "DDP / ceiling"], rows)
+    medians(rows, 5)
 
 
 def tp(reps=1):
@@ -96,6 +107,7 @@ def fsdp(reps=3, batches=(256,)):
         rows.append([str(batch), str(i + 1), f"{d:.0f}", f"{f:.0f}", f"{f / d:.0%}", state])
     table("FSDP against DDP, 2 ranks (samples/s)", ["global batch", "repetition", "DDP", "FSDP",
                                                     "FSDP / DDP", "FSDP state per rank"], rows)
+    medians(rows, 4)
 
 
 def pipeline(reps=2):
@@ -128,27 +140,40 @@ def checkpointing(reps=2):
     block's time is its matrix products, not Python (at hidden 64 the recomputed forward also
     repeats the Python and dispatch work that dominates there: docs/compile.md). What a block
     keeps for backward, per token, in theory: about 12 x hidden numbers; with checkpointing,
-    only its input (1 x hidden) and one block's recomputation at a time. Measured as the peak
-    RSS above the same run on a batch of 2 (torch itself, the weights, Adam's state)."""
+    only its input (1 x hidden) and one block's recomputation at a time.
+
+    Memory is the peak RSS of rank 0's process. As it comes, that counts what glibc's malloc
+    keeps of freed tensors for reuse (it raises its own threshold for giving memory back to
+    the system as the program frees large blocks), so it says little about what was alive at
+    once. Each run is therefore repeated with MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB: every
+    tensor that large gets its own mapping, returned at once when freed, and the peak RSS
+    follows the live tensors. The activations are that peak above the same run on a batch of
+    2 (torch, the weights, Adam's state, gloo's buffers). Times come from the plain runs (the
+    mapping costs page faults: those runs are slower)."""
     flags = ["--hidden=256", "--blocks=8", "--heads=4", "--steps=8", "--batch-size=512",
              "--log-every=1000", "--eval-every=1000", "--device=cpu"]
+    live = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+    def peak(line):
+        return float(re.search(r"peak mem ([0-9.]+) MiB", line).group(1))
     rows = []
     for script in ("ddp.py", "fsdp.py"):
-        # The process without activations: the same run on a batch of 2 (torch, the weights,
-        # Adam's state, gloo's buffers). What the activations add is the peak above it.
-        (_, line), = rates([*TORCHRUN, "--nproc_per_node=2", script, *flags, "--batch-size=2"])
-        base = float(re.search(r"peak mem ([0-9.]+) MiB", line).group(1))
-        rows.append([script, "(batch 2: no activations)", "", "", f"{base:.0f}", ""])
+        command = [*TORCHRUN, "--nproc_per_node=2", script, *flags]
+        (_, line), = rates([*command, "--batch-size=2"], **live)
+        base = peak(line)
+        rows.append([script, "(batch 2: no activations)", "", "", "", f"{base:.0f}", ""])
         for _ in range(reps):
             for ac in ([], ["--activation-checkpointing"]):
-                (rate, line), = rates([*TORCHRUN, "--nproc_per_node=2", script, *flags, *ac])
+                (rate, line), = rates([*command, *ac])
+                (_, live_line), = rates([*command, *ac], **live)
                 ms = float(re.search(r"([0-9.]+) ms/step", line).group(1))
-                peak = float(re.search(r"peak mem ([0-9.]+) MiB", line).group(1))
                 rows.append([script, "on" if ac else "off", f"{rate:.0f}", f"{ms:.0f}",
-                             f"{peak:.0f}", f"{peak - base:.0f}"])
-    table("Activation checkpointing, 2 ranks, 8 blocks of hidden 256, batch 512 "
-          "(peak RSS of rank 0's process)", ["script", "checkpointing", "samples/s", "ms/step",
-                                             "peak MiB", "above batch 2, MiB"], rows)
+                             f"{peak(line):.0f}", f"{peak(live_line):.0f}",
+                             f"{peak(live_line) - base:.0f}"])
+    table("Activation checkpointing, 2 ranks, 8 blocks of hidden 256, batch 512 (rank 0's "
+          "process)", ["script", "checkpointing", "samples/s", "ms/step", "peak RSS MiB",
+                       "peak RSS MiB, 128 KiB mmap threshold", "activations MiB (above batch 2)"],
+          rows)
 
 
 def compiled(reps=1):
@@ -176,6 +201,9 @@ TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
 if __name__ == "__main__":
     import torch
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, size: {' '.join(SIZE)}")
-    batches = tuple(int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--batch="))
+    options = dict(a[2:].split("=") for a in sys.argv[1:] if a.startswith("--"))
     for name in [a for a in sys.argv[1:] if not a.startswith("--")] or TABLES:
-        TABLES[name](**({"batches": batches} if batches and name in ("ddp", "fsdp") else {}))
+        kwargs = {"reps": int(options["reps"])} if "reps" in options else {}
+        if "batch" in options and name in ("ddp", "fsdp"):
+            kwargs["batches"] = (int(options["batch"]),)
+        TABLES[name](**kwargs)
