@@ -1,6 +1,7 @@
 """Run the performance comparisons of docs/performance.md and print their tables.
 
-    python docs/benchmarks.py            # every table, every repetition (~10 minutes, 2 cores)
+    python docs/benchmarks.py            # every table, every repetition (~15 minutes, 2 cores)
+    python docs/benchmarks.py checkpointing   # one table (9 minutes here, on 2 cores)
     python docs/benchmarks.py tp ddp     # only these tables
     python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
     python docs/benchmarks.py ddp fsdp --batch=512 --reps=5   # and 5 repetitions of each row
