@@ -214,7 +214,7 @@ def positive(kind):
     return parse
 
 
-def compile_problem(use_cuda):
+def compile_problem(use_cuda, fp64=False):
     """Why --compile cannot work on this machine, as a one-line error, or None if it can.
 
     torch.compile fails late and at length (a compiler's traceback from inside the first
@@ -228,6 +228,12 @@ def compile_problem(use_cuda):
         if shutil.which(os.environ.get("CXX", "g++")) is None:
             return ("--compile on the CPU: inductor compiles C++ and finds no compiler "
                     "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
+        # Measured: 2.10 and 2.12 crash in the first backward ("expected scalar type Double
+        # but found Float" in the compiled causal attention's backward), 2.13 and 2.15 train.
+        if fp64 and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+            return (f"--compile with --fp64 on the CPU: torch {torch.__version__}'s compiled "
+                    "attention fails in backward in float64 (pytorch/pytorch#185539); use "
+                    "torch 2.13 or later, or drop one of the two flags")
         return None
     # On a GPU inductor writes Triton kernels, and Triton builds each kernel's launcher as a
     # small C extension module: with $CC, else gcc, else clang, against Python.h.

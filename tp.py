@@ -155,7 +155,7 @@ def parse_args(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    problem = compile_problem(use_cuda) if args.compile else None  # no compiler, say
+    problem = compile_problem(use_cuda, args.fp64) if args.compile else None  # no compiler, say
     if problem:
         parser.error(problem)
     if args.hidden % args.heads:

@@ -223,6 +223,22 @@ def test_compile_without_a_cpp_compiler_or_on_an_unsupported_python_is_refused_i
                         capsys)
 
 
+@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp", "pipeline", "cp"])
+def test_compile_with_fp64_on_a_torch_older_than_2_13_is_refused_in_one_line_on_the_cpu(
+        script, capsys, monkeypatch):
+    """torch 2.10 and 2.12 crash in the first backward of the compiled causal attention in
+    float64 on the CPU (pytorch/pytorch#185539; measured); 2.13 trains. Faked: the version."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch, "__version__", "2.12.0+cpu")
+    refused_in_one_line(script, ["--compile", "--fp64"], "--compile with --fp64 on the CPU: "
+                        "torch 2.12.0+cpu's compiled attention fails in backward", capsys)
+    parse_args = importlib.import_module(script).parse_args
+    one_rank = ["--nproc=1"] if script not in ("single", "amp") else []
+    parse_args(["--device=cpu", "--compile", *one_rank])  # fp32 compiles on 2.12
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    parse_args(["--device=cpu", "--compile", "--fp64", *one_rank])
+
+
 def test_compile_with_dataparallel_is_refused_in_one_line(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     refused_in_one_line("dataparallel", ["--compile"], "--compile: not with DataParallel", capsys)

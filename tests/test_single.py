@@ -2,8 +2,9 @@
 weights, the same exact validation loss, and a checkpoint that resumes to the uninterrupted run."""
 
 import pytest
+import torch
 
-from conftest import (COMPILE_TOL, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
+from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, load_saved,
                       logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
@@ -67,20 +68,30 @@ def test_activation_checkpointing_changes_no_weight(tmp_path):
     assert max_diff(checkpointed, plain) == 0.0
 
 
-def test_compile_with_activation_checkpointing_really_compiles_and_equals_the_oracle(
-        reference, tmp_path):
+def test_compile_with_activation_checkpointing_really_compiles_and_equals_the_fp64_oracle(
+        tmp_path):
     """Every script prepares its blocks with the same lines (compile the forward, then
     checkpoint it). The collection once patched the forward first and compiled the module: that
     traced no frame at all and still matched the oracle, since nothing was compiled
-    (docs/compile.md). Here TorchDynamo must have compiled each block's forward."""
-    import torch._dynamo
+    (docs/compile.md). Here TorchDynamo must have compiled each block's forward. In float64:
+    inductor's fused kernels round elsewhere, and in fp32 that can part from the oracle within
+    JOB's 8 steps (measured with torch 2.10 on one thread: 3.4e-6 up to step 2, then 1.4e-4 at
+    step 3 and 6.3e-4 at step 8, in an MLP's `up` weight; 4.5e-6 with 2.13, docs/proofs.md),
+    while float64 stays at rounding."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip(f"torch {torch.__version__} cannot compile the causal attention's float64 "
+                    "backward on the CPU (pytorch/pytorch#185539); the scripts refuse --compile "
+                    "--fp64 there, tested in tests/test_ddp_failures.py")
+    from torch import _dynamo
     from torch._dynamo.utils import counters
-    torch._dynamo.reset()
+    _dynamo.reset()
     counters.clear()
-    _, weights = run_in_process("single", ["--compile", "--activation-checkpointing"], tmp_path)
+    seed = FP64_SEEDS[0]
+    run = run_in_process("single", ["--compile", "--activation-checkpointing",
+                                    *fp64(seed, clip=FP64_CLIP)], tmp_path)
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
-    assert max_diff(weights, reference[1]) < COMPILE_TOL
-    torch._dynamo.reset()
+    assert_fp64_run_equals_the_fp64_oracle(run, seed, clip=FP64_CLIP)
+    _dynamo.reset()
 
 
 @needs_cuda
