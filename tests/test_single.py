@@ -2,8 +2,8 @@
 weights, the same exact validation loss, and a checkpoint that resumes to the uninterrupted run."""
 
 import pytest
-import torch
 
+from common import compile_problem
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, load_saved,
@@ -78,10 +78,9 @@ def test_compile_with_activation_checkpointing_really_compiles_and_equals_the_fp
     JOB's 8 steps (measured with torch 2.10 on one thread: 3.4e-6 up to step 2, then 1.4e-4 at
     step 3 and 6.3e-4 at step 8, in an MLP's `up` weight; 4.5e-6 with 2.13, docs/proofs.md),
     while float64 stays at rounding."""
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
-        pytest.skip(f"torch {torch.__version__} cannot compile the causal attention's float64 "
-                    "backward on the CPU (pytorch/pytorch#185539); the scripts refuse --compile "
-                    "--fp64 there, tested in tests/test_ddp_failures.py")
+    refused = compile_problem(use_cuda=False, fp64=True)  # what single.py would say here
+    if refused:  # torch < 2.13 (tests/test_ddp_failures.py tests the refusal)
+        pytest.skip(refused)
     from torch import _dynamo
     from torch._dynamo.utils import counters
     _dynamo.reset()
