@@ -2,7 +2,7 @@
 oracle's own loop (tests/reference.py: `reference_train(ranks=N)` adds the gradient up as N
 data-parallel ranks do, in the same order).
 
-    python docs/drift.py          # both tables (about 5 minutes on 2 cores)
+    python docs/drift.py          # both tables (about 3 minutes on 2 cores)
 
 The picture of the same page (drift.png) is docs/figures.py's. A benchmark of rounding, not a
 test: another CPU's kernels may move these numbers, never past the fp64 bound at lr 0.01.

@@ -36,7 +36,8 @@ from common import SimpleModel, free_port  # noqa: E402
 # transformer (3 blocks of width 24, 3 heads: an odd head count). fp32 holds only over a short
 # horizon: Adam divides each gradient entry by its own size, so an entry made of terms that
 # nearly cancel turns another summation order's last bit into a visible step (on this model,
-# at batch 1200: 1e-6 after 1 step, 1e-4 after 8; at JOB's batch 300 at most 5.7e-6 after 8;
+# at batch 1200: 1e-6 after 1 step, 1e-4 after 8; at JOB's batch 300 at most 5.7e-6 after 8
+# on one CPU, while on another a ReLU decision parts two orders by 6.3e-4: TOL, below;
 # docs/drift.md). So the fp32 runs are this one job, on the scripts' default seed, held to TOL.
 #
 # fp64, the proof on flags nobody chose: FP64_JOB, 40 steps of batch 180 (11 steps per epoch:
