@@ -335,7 +335,11 @@ def pass_on(x, group, step):
 
 def block_attention(q, k, v, causal):
     """Attention of q over one block of keys: its output and each query's log-sum-exp of its
-    scores (which merge() needs to weigh it against the other blocks)."""
+    scores (which merge() needs to weigh it against the other blocks). In float32 at least,
+    as PyTorch's own context parallelism merges: from bf16 inputs a bf16 log-sum-exp would
+    round by up to 1/64, and merge() turns that into an error in every output."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(wide), k.to(wide), v.to(wide)
     scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
     if causal:  # the query chunk itself: token t sees the chunk's tokens up to t
         n = scores.shape[-1]
@@ -373,7 +377,7 @@ def attend_ring(q, k, v, group):
             # needs the block, and a rank that skipped the exchange would leave the ring's
             # sends unmatched (every rank waiting, until --timeout).
             kv = RingPass.apply(kv, group)
-    return torch.cat([merge(part) for part in parts], dim=-2)
+    return torch.cat([merge(part) for part in parts], dim=-2).to(q.dtype)  # as it came in
 
 
 def cut_sequences(model, mesh, method):
@@ -435,8 +439,8 @@ def train(args, rank, world_size, device):
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
     # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
     # communication overlaps the rest of backward. gradient_as_bucket_view makes each .grad a
-    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved
-    # (13% more samples/s on 2 CPU cores, docs/performance.md); don't .detach_() such a .grad.
+    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved;
+    # don't .detach_() such a .grad.
     # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
     # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
     # Over every rank, CP's too: each rank's gradient is that of its own tokens' mean loss,

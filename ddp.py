@@ -268,8 +268,8 @@ def train(args, rank, world_size, device):
     # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
     # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
     # communication overlaps the rest of backward. gradient_as_bucket_view makes each .grad a
-    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved
-    # (13% more samples/s on 2 CPU cores, docs/performance.md); don't .detach_() such a .grad.
+    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved;
+    # don't .detach_() such a .grad.
     # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
     # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,

@@ -84,7 +84,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import compile_problem, save_atomic, seed_everything
+from common import compile_problem, ignore_fsdp_view_warning, save_atomic, seed_everything
 from common import gpu_sharers, launch, leave, machine_gpus, most_workers, ranks, rendezvous_store
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 
@@ -326,6 +326,7 @@ def train(args, rank, world_size, device):
     # The whole model's output goes back to the weights' dtype, so the loss is computed in it.
     fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=dtype, output_dtype=dtype))
+    ignore_fsdp_view_warning()  # the logits are a view, never written in place (common.py)
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);

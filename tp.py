@@ -22,10 +22,12 @@ What it teaches
     --sequence-parallel (SP, Megatron-LM's, which comes with TP in transformers): between the
     TP regions (the norms, the residual sums) each rank holds 1/T of the sequence instead of
     the whole of it. Each all-reduce becomes a reduce-scatter (onto the sequence parts) and an
-    all-gather (before the next region): the same bytes, and the norms' activations shrink to
-    1/T. --loss-parallel: the output layer is cut over the vocabulary and its logits stay cut
-    through the cross-entropy (loss_parallel()): no rank ever holds the whole logits, which
-    for a real vocabulary (50-200 k) are the largest activation of all.
+    all-gather (before the next region), which together move what it moved; two more
+    all-gathers at the ends and one small all-reduce of the norms' gradients a step, and the
+    norms' activations shrink to 1/T. --loss-parallel: the output layer is cut over the
+    vocabulary and its logits stay cut through the cross-entropy (loss_parallel()): no rank
+    ever holds the whole logits, which for a real vocabulary (50-200 k) are the largest
+    activation of all.
 
 When to use it
     The layers themselves are too big, or too slow, for one device, and the devices have the
@@ -66,6 +68,7 @@ import contextlib
 import datetime
 import functools
 import itertools
+import math
 import os
 
 import torch
@@ -76,7 +79,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
@@ -87,7 +90,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import SEQ_LEN, VOCAB  # what sequence and loss parallelism cut
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import compile_problem, save_atomic, seed_everything
+from common import compile_problem, ignore_fsdp_view_warning, save_atomic, seed_everything
 from common import gpu_sharers, launch, leave, machine_gpus, most_workers, ranks, rendezvous_store
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 
@@ -308,8 +311,8 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
     # sequence (Shard(1) of batch x sequence x hidden): each rank normalizes and adds up its
     # 1/T of the tokens. A region's all-reduce becomes a reduce-scatter (`o` and `down` leave
     # their sums cut along the sequence) and an all-gather before the next region (q, k, v and
-    # `up` need every token): together the same bytes as the all-reduce they replace, so SP
-    # costs no extra communication, and the norms' activations shrink to 1/T.
+    # `up` need every token): together the bytes of the all-reduce they replace. The ends add
+    # an all-gather each (below), and the norms' activations shrink to 1/T.
     between = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks.values():
         plan = {
@@ -323,9 +326,10 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
             "down": RowwiseParallel(output_layouts=between)}
         if sequence_parallel:
             # The norms' weights stay whole (replicated DTensors) but see 1/T of the tokens:
-            # SequenceParallel marks them so that backward adds up their gradients over the
-            # group. Left out of the plan, each rank would step its norms with the gradient of
-            # its own tokens only, and the copies would drift apart (the bug zoo).
+            # under SequenceParallel their gradients come out as partial sums (Partial()),
+            # which train() adds up over the group (sum_partial_grads). Left out of the plan,
+            # each rank would step its norms with the gradient of its own tokens only, and the
+            # copies would drift apart (the bug zoo).
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         parallelize_module(block, mesh["tp"], plan)
         # The attention splits q, k, v into `heads` heads; each rank now holds H/T of them.
@@ -352,6 +356,20 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
                                             use_local_output=True)
     if ends:
         parallelize_module(model, mesh["tp"], ends)
+    # What TP leaves whole (the embeddings, the norms without SP, the head without loss
+    # parallelism) becomes a replicated DTensor all the same, its forward still taking and
+    # giving plain tensors: the optimizer and clipping then see one kind of tensor. Left plain
+    # beside DTensors, Adam's foreach path (CUDA's default) fails at its first step: "got
+    # mixed torch.Tensor and DTensor". Its gradient needs no communication: every rank of the
+    # group computes the same one.
+    def replicated(_, inputs, tp_mesh):
+        return tuple(x if isinstance(x, DTensor) else
+                     DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False) for x in inputs)
+    for module in model.modules():
+        held = list(module.parameters(recurse=False))
+        if held and not isinstance(held[0], DTensor):
+            distribute_module(module, mesh["tp"], input_fn=replicated,
+                              output_fn=lambda _, output, tp_mesh: output.to_local())
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each rank
@@ -363,6 +381,7 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+        ignore_fsdp_view_warning()  # the logits are a view, never written in place (common.py)
     return model
 
 
@@ -478,8 +497,10 @@ def train(args, rank, world_size, device):
             # --- end ---
             loss_sum += whole(loss.detach())
         with record_function("optimizer step"):
-            # --clip: to the norm of the whole gradient, sharded and whole pieces together
-            # (clip_grad_norm, below: torch's own cannot mix them). Returns the norm.
+            # --- SP: the norms' gradients, added up over the TP group once per step ---
+            sum_partial_grads(model)
+            # --clip: to the norm of the whole gradient, every rank's pieces together, in
+            # one all-reduce (clip_grad_norm, below). Returns the norm.
             grad_norm = clip_grad_norm(model.parameters(), args.clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -514,27 +535,36 @@ def whole(loss):
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def sum_partial_grads(model):
+    """SP: add up the norms' gradients over the TP group, all in one all-reduce. A norm sees
+    1/T of the tokens, so its gradient on each rank is a partial sum (a Partial() DTensor);
+    left so, each reader (clipping, each of Adam's ops) would add it up again, one small
+    all-reduce per tensor per op. Megatron-LM sums them once, flattened, as here. (2D: FSDP's
+    backward has already summed them, one all-reduce per parameter.)"""
+    partial = [p for p in model.parameters()
+               if p.grad is not None and any(pl.is_partial() for pl in p.grad.placements)]
+    if partial:
+        mesh = partial[0].grad.device_mesh  # pure TP's one mesh dimension
+        flat = torch.cat([p.grad.to_local().flatten() for p in partial])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for p, summed in zip(partial, flat.split([p.numel() for p in partial])):
+            p.grad = DTensor.from_local(summed.view(p.shape), mesh, [Replicate()])
+
+
 def clip_grad_norm(parameters, max_norm):
     """clip_grad_norm_ for TP and 2D: clip to the whole gradient's norm; return that norm.
-
-    The cut layers' gradients are DTensors on the TP group (sharded; the biases of `o` and
-    `down` replicated; 2D: over both mesh dimensions); the rest (the norms, the embeddings, the
-    head) are plain tensors, whole on every rank (2D: DTensors on the "dp" mesh only).
-    torch.nn.utils.clip_grad_norm_ cannot mix them ("got mixed torch.Tensor and DTensor";
-    across meshes, pytorch/pytorch#180346), and the norm of each rank's local pieces would miss
-    the other ranks' shards. So the norms are grouped by layout (mesh, placements): a group's
-    norm stays one partial DTensor, and full_tensor() adds up the shards' squares in one
-    all-reduce per group (one per parameter made 3x the step's other all-reduces, each costing
-    far more than its bytes on a CPU). Clipping scales every piece by the same factor, by
-    clip_grad_norm_'s own formula.
+    Each rank adds up the squares of its pieces of every gradient (a DTensor: parallelize),
+    counting a piece that N ranks hold alike (Replicate) 1/N times; one all-reduce over all
+    ranks adds those up. (torch's clip_grad_norm_ reduces each mesh dimension in turn: two
+    all-reduces in 2D, and a warning.) Then every piece is scaled by clip_grad_norm_'s factor.
     """
-    grads, groups = [p.grad for p in parameters if p.grad is not None], {}
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = torch.zeros((), dtype=grads[0].dtype, device=grads[0].device)
     for g in grads:
-        layout = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups.setdefault(layout, []).append(torch.linalg.vector_norm(g))
-    norms = [torch.linalg.vector_norm(torch.stack(group)) for group in groups.values()]
-    total = torch.linalg.vector_norm(torch.stack(
-        [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+        copies = [g.device_mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_replicate()]
+        squares += g.to_local().pow(2).sum() / math.prod(copies)
+    dist.all_reduce(squares)  # the mesh is every rank
+    total = squares.sqrt()
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(factor)

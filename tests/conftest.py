@@ -4,6 +4,7 @@ import concurrent.futures
 import contextlib
 import functools
 import importlib
+import importlib.util
 import io
 import itertools
 import json
@@ -152,6 +153,13 @@ def pytest_configure(config):
 ENV = dict(os.environ)
 
 
+# A command that starts with CUDA_DEFAULTS runs every process of it (workers it spawns too) with
+# CUDA's defaults forced on the CPU: Adam's foreach path (tests/cuda_defaults/sitecustomize.py).
+# In RUNS, a flag: run_commands puts it in front of the command.
+CUDA_DEFAULTS = "cuda-defaults"
+CUDA_DEFAULTS_DIR = Path(__file__).resolve().parent / "cuda_defaults"
+
+
 def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
     """Start a command from the repo root, in a process group of its own (see finish).
 
@@ -164,6 +172,10 @@ def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
     ranks_cmd's ranks) is forked by tests/preloaded.py unless `preloaded` is False: it starts
     with torch imported; the result is read as from a Popen (Forked)."""
     cmd = list(map(str, cmd))
+    if cmd[0] == CUDA_DEFAULTS:
+        cmd = cmd[1:]
+        env = {**(env or {}), "CUDA_DEFAULTS_ON_CPU": "1", "PYTHONPATH": os.pathsep.join(
+            p for p in (str(CUDA_DEFAULTS_DIR), ENV.get("PYTHONPATH")) if p)}
     cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if "--device=cpu" in cmd else {}
     full_env = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **cpu_only,
                 **(env or {})}
@@ -174,6 +186,16 @@ def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                             start_new_session=True,
                             preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+
+@pytest.fixture
+def cuda_defaults(monkeypatch):
+    """CUDA_DEFAULTS for a test that runs a script in this process, undone after it."""
+    spec = importlib.util.spec_from_file_location("cuda_defaults",
+                                                  CUDA_DEFAULTS_DIR / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.force(monkeypatch.setattr)
 
 
 RANKS = "ranks"
@@ -393,9 +415,10 @@ def run_commands(script, runs, folder):
     commands, paths = [], []
     for i, (nproc, flags) in enumerate(runs.values()):
         paths.append(folder / f"{i}.pt")
-        args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags), f"--save={paths[-1]}"]
-        commands.append(python_cmd(script, *args) if nproc is None
-                        else ranks_cmd(nproc, script, *args))
+        args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags if f != CUDA_DEFAULTS),
+                f"--save={paths[-1]}"]
+        commands.append([CUDA_DEFAULTS] * (CUDA_DEFAULTS in flags) + (
+            python_cmd(script, *args) if nproc is None else ranks_cmd(nproc, script, *args)))
     return commands, paths
 
 

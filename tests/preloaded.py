@@ -62,6 +62,10 @@ def run(proc, request, replies):
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when asked
     if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when torch loaded, here, before
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if os.environ.get("CUDA_DEFAULTS_ON_CPU") == "1":  # conftest.CUDA_DEFAULTS: as Python
+        # would at the start of a new process, with that folder on PYTHONPATH
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "cuda_defaults",
+                                    "sitecustomize.py"))
     script = os.path.abspath(proc["argv"][0])
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:1] = [os.path.dirname(script), *extra]  # as python does for `python script`

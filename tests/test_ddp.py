@@ -9,12 +9,13 @@ from torch.utils.data import DistributedSampler
 
 
 from common import SimpleModel, make_dataset
-from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL,
-                      VAL_TOL, assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, assert_profiled, early_runs, fails_clearly,
-                      fp32_reference, fp64, launched_runs, load_saved, logged_losses,
-                      logged_val_losses, max_diff, needs_2_gpus, needs_cuda, ok, python,
-                      refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss, torchrun)
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS,
+                      JOB, TOL, VAL_TOL, assert_fp64_run_equals_the_fp64_oracle,
+                      assert_gpu_run_equals_oracle, assert_norms_are_the_oracles, assert_profiled,
+                      early_runs, fails_clearly, fp32_reference, fp64, launched_runs, load_saved,
+                      logged_losses, logged_val_losses, max_diff, needs_2_gpus, needs_cuda, ok,
+                      python, refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
+                      torchrun)
 from reference import reference_val_loss, token_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -31,11 +32,12 @@ RUNS = {
     "fp64, 3 ranks, accum 3, AC, zero1": (3, [*fp64(SEED_A), "--accum-steps=3",
                                                        "--activation-checkpointing", "--zero1",
                                                        "--checkpoint={folder}/ckpt.pt"]),
-    # `python ddp.py` starts 4, which clip the gradient at every step
-    "fp64, spawn 4 ranks, clip": (None, ["--nproc=4", *fp64(SEED_B, clip=FP64_CLIP)]),
+    # `python ddp.py` starts 4, which clip the gradient at every step, with CUDA's defaults
+    "fp64, spawn 4 ranks, clip, CUDA's Adam": (None, [CUDA_DEFAULTS, "--nproc=4",
+                                                     *fp64(SEED_B, clip=FP64_CLIP)]),
 }
 FP64_RUNS = {"fp64, 3 ranks, accum 3, AC, zero1": (SEED_A, None),
-             "fp64, spawn 4 ranks, clip": (SEED_B, FP64_CLIP)}  # name: (seed, clip)
+             "fp64, spawn 4 ranks, clip, CUDA's Adam": (SEED_B, FP64_CLIP)}  # name: (seed, clip)
 
 
 early_launches = early_runs("ddp.py", RUNS)  # queued when the tests are collected

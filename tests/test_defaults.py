@@ -56,6 +56,17 @@ def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     assert all(x > 0 for x in summary_numbers(out))  # samples/s, ms/step, peak memory
 
 
+@pytest.mark.parametrize("name", LAUNCHED)
+def test_default_run_prints_no_warning_and_no_traceback(name, default_runs):
+    """A learner's first run says nothing that sounds like a bug: no Python warning (FSDP2's
+    "returned a view tensor ... wrong gradients", say), no C++ one (glog's W lines), and no
+    traceback, on stdout or stderr."""
+    out, err = default_runs[name]
+    noise = [line for line in (out + err).splitlines()
+             if re.search(r"Warning|Traceback|^\[?W\d{4} ", line)]
+    assert not noise, noise
+
+
 def test_shared_flags_have_the_same_defaults_in_every_script(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     defaults = {name: vars(importlib.import_module(name).parse_args([])) for name in SCRIPTS}

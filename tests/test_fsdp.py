@@ -14,8 +14,8 @@ import torch
 
 import common
 from common import SimpleModel
-from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL,
-                      assert_checkpoints_resume_to_the_oracle,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB,
+                      JOB_FLAGS, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, early_runs, fp32_reference,
                       fp64, launch_together, launched_runs, logged_losses, max_diff, needs_cuda, ok,
@@ -43,12 +43,12 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python fsdp.py`; extr
     # `python fsdp.py --nproc 4`: HSDP, 2 replicas each sharded in 2, the gathered weights kept
     # from forward to backward (ZeRO-2's trade), clipped by the norm of the whole gradient; its
     # checkpoint (step 40) is continued as plain FSDP on 2 ranks
-    "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip": (None, [
-        "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), "--replicate=2",
+    "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam": (None, [
+        CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), "--replicate=2",
         "--reshard-after-forward=false", "--checkpoint={folder}/hsdp"]),
 }
 FP64_RUNS = {"fp64, 3 ranks, accum 3, AC": (SEED_A, None),  # name: (seed, clip)
-             "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip": (SEED_B, FP64_CLIP)}
+             "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam": (SEED_B, FP64_CLIP)}
 
 
 early_launches = early_runs("fsdp.py", RUNS)  # queued when the tests are collected
@@ -130,7 +130,8 @@ def test_fp64_checkpoints_of_fsdp_and_hsdp_resume_on_2_ranks_as_each_other(runs,
     # what a crash in the middle of writing step 44 leaves: a folder `latest` does not name
     (tmp_path / "c2" / "step_00000044").mkdir()
     (tmp_path / "c2" / "step_00000044" / "__0_0.distcp").write_bytes(b"half a shard")
-    hsdp = runs["fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip"][1].parent / "hsdp"
+    hsdp = runs["fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam"][1].parent \
+        / "hsdp"
     assert_checkpoints_resume_to_the_oracle("fsdp.py", {
         (2, "--replicate=2"): tmp_path / "c2",
         (2, "--reshard-after-forward=false"): (hsdp, SEED_B, FP64_CLIP)}, tmp_path, SEED_A)

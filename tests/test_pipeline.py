@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, TOL,
-                      assert_checkpoints_resume_to_the_oracle,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS,
+                      JOB, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, early_runs, fp64,
                       launched_runs, logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
@@ -27,11 +27,12 @@ RUNS = {  # name: (stages: ranks, conftest.ranks_cmd; flags). Each schedule in f
                                      "--activation-checkpointing",
                                      "--checkpoint={folder}/ckpt64.pt"]),
     # clipped by the norm of the whole gradient, its parts added up over the stages
-    "fp64, 2 stages, gpipe, clip": (2, [*fp64(SEED_B, clip=FP64_CLIP), "--schedule=gpipe",
+    "fp64, 2 stages, gpipe, clip, CUDA's Adam": (2, [CUDA_DEFAULTS, *fp64(SEED_B, clip=FP64_CLIP),
+                                                   "--schedule=gpipe",
                                         "--microbatches=3"]),
 }
 FP64_RUNS = {"fp64, 3 stages, 1f1b, AC": (SEED_A, None),  # name: (seed, clip)
-             "fp64, 2 stages, gpipe, clip": (SEED_B, FP64_CLIP)}
+             "fp64, 2 stages, gpipe, clip, CUDA's Adam": (SEED_B, FP64_CLIP)}
 
 
 early_launches = early_runs("pipeline.py", RUNS)  # queued when the tests are collected

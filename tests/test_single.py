@@ -4,11 +4,11 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 import pytest
 
 from common import compile_problem
-from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, load_saved,
-                      logged_losses, max_diff, needs_cuda, ok, python, run_in_process,
-                      succeeded, summary_val_loss)
+                      logged_losses, max_diff, needs_cuda, ok, python, run_in_process, succeeded,
+                      summary_val_loss)
 from reference import reference_train
 
 
@@ -29,10 +29,12 @@ def test_gradient_accumulation_equals_one_big_batch(reference, tmp_path):
 
 
 # The fp64 runs, each `python single.py` forked by tests/preloaded.py and queued when the tests
-# are collected: they run beside the tests before them.
+# are collected: they run beside the tests before them. The last with CUDA's defaults (Adam's
+# foreach path), the rest with the CPU's.
 FP64_CASES = [(seed, accum, clip) for seed in FP64_SEEDS
               for accum, clip in [(1, FP64_CLIP), (3, None)]]
-RUNS = {case: (None, [*fp64(case[0], clip=case[2]), f"--accum-steps={case[1]}"])
+RUNS = {case: (None, [*[CUDA_DEFAULTS] * (case == FP64_CASES[-1]), *fp64(case[0], clip=case[2]),
+                      f"--accum-steps={case[1]}"])
         for case in FP64_CASES}
 early_launches = early_runs("single.py", RUNS)
 

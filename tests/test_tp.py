@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from common import SEQ_LEN, VOCAB, SimpleModel
-from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      max_diff, needs_cuda, refused_in_one_line, succeeded, summary_val_loss,
-                      torchrun)
+                      max_diff, needs_cuda, refused_in_one_line, run_as_only_rank, succeeded,
+                      summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
@@ -30,14 +30,15 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra 
     # parallelism inside each group, 2 micro-batches, and clipping (the cut layers' gradients
     # on the 2D mesh, the rest on "dp" only); its checkpoint (step 40) is continued as TP 4
     # with SP and loss parallelism below
-    "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip": (4, [
-        *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2", "--sequence-parallel",
+    "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam": (4, [
+        CUDA_DEFAULTS, *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2",
+        "--sequence-parallel",
         "--loss-parallel", "--accum-steps=2", "--checkpoint={folder}/2d"]),
     # `python tp.py` starts its own 2 workers, plain TP; they accumulate 2 micro-batches per
     # step, through blocks that recompute their activations (compiling is proven in
     # single.py: on a 2-core CPU it costs each process seconds)
-    "fp64, spawn 2 ranks, tp 2, accum 2, AC": (None, [
-        "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
+    "fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam": (None, [
+        CUDA_DEFAULTS, "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
         "--activation-checkpointing"]),
 }
 FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
@@ -80,6 +81,27 @@ def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
                   tmp_path / "on4"}, tmp_path, SEED_A, FP64_CLIP, heads=HEADS)
 
 
+def test_fp64_tp_on_one_rank_with_cudas_adam_equals_the_fp64_oracle(tmp_path, cuda_defaults):
+    """Pure TP on one rank, the GPU test's layout, with Adam on its foreach path as on CUDA:
+    every parameter, cut or not, is a DTensor (a plain tensor beside them stops foreach at
+    the first step, below)."""
+    run = run_as_only_rank("tp", [*fp64(SEED_B), f"--heads={HEADS}"], tmp_path)
+    assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, heads=HEADS)
+
+
+def test_cudas_adam_stops_on_a_plain_tensor_beside_dtensors(fake_group, cuda_defaults):
+    """Why every parameter is a DTensor: what tp.py did when it left the uncut layers plain,
+    and what the CPU's default path (a loop, not foreach) never shows."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh = fake_group(1, 2)
+    plain = torch.nn.Parameter(torch.ones(4))
+    cut = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh["tp"], [Replicate()]))
+    (plain.sum() + cut.to_local().sum()).backward()
+    cut.grad = distribute_tensor(torch.ones(4), mesh["tp"], [Replicate()])
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        torch.optim.Adam([plain, cut]).step()
+
+
 def state_mib(stdout):
     return float(re.search(r"\| state ([0-9.]+) MiB/rank", stdout).group(1))
 
@@ -103,7 +125,8 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
     every = sum(p.numel() for p in model.parameters())
     expect = {  # name: (bytes per number, parameters held)
         "3 ranks, tp 3": (4, cut / 3 + every - cut),
-        "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip": (8, cut_lp / 4 + (every - cut_lp) / 2)}
+        "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam": (
+            8, cut_lp / 4 + (every - cut_lp) / 2)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,
                                                                     abs=1e-3), name
@@ -138,44 +161,63 @@ def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, sp, 
     assert all(block.attn.heads == 4 // tp for block in model.blocks.values())
 
 
-def test_one_forward_and_backward_make_four_all_reduces_per_block(fake_group):
-    """Megatron's count: forward all-reduces each block's partial sums twice (after `o` and
-    after `down`), backward the gradient of the block's input twice (before q, k, v, together,
-    and before `up`); nothing else."""
-    from torch.distributed.tensor.debug import CommDebugMode
-    import tp as tp_script
-    blocks = 3
-    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks, heads=4),
-                                  fake_group(1, 2))
-    x = torch.randint(VOCAB, (8, SEQ_LEN))
-    with CommDebugMode() as comm:
-        out = model(x)
-        forward = dict(comm.get_comm_counts())
-        out.sum().backward()
-    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    assert sum(forward.values()) == 2 * blocks
-    assert counts == {"all_reduce": 4 * blocks}
+KINDS = {"all_reduce": "all-reduce", "allreduce_": "all-reduce",  # functional and c10d names
+         "all_gather_into_tensor": "all-gather", "_allgather_base_": "all-gather",
+         "reduce_scatter_tensor": "reduce-scatter", "_reduce_scatter_base_": "reduce-scatter"}
 
 
-def test_sequence_parallelism_trades_each_all_reduce_for_a_reduce_scatter_and_an_all_gather(
-        fake_group):
-    """Each of plain TP's four all-reduces per block becomes a reduce-scatter (after `o` and
-    `down`, and in backward after q, k, v and `up`) and an all-gather (before the next region),
-    which together move what the all-reduce did; at the ends, one all-gather before the output
-    layer in forward and one of the embeddings' gradient in backward. The norms see 1/T of the
-    tokens: their whole-model gradients are summed when first read (clipping, the optimizer),
-    as the fp64 proofs show."""
+def step_collectives(mesh, blocks, sp, lp):
+    """{kind: count} of one training step of tp.py's on a fake group: forward, backward, the
+    norms' SP sum, clipping and Adam's step (its foreach path, as on a GPU)."""
+    import contextlib
     from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+    from common import loss_fn
     import tp as tp_script
-    blocks = 3
-    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks, heads=4),
-                                  fake_group(1, 2), sequence_parallel=True)
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=blocks, heads=4), mesh, sp, lp)
+    optimizer = torch.optim.Adam(model.parameters())
     x = torch.randint(VOCAB, (8, SEQ_LEN))
     with CommDebugMode() as comm:
-        model(x).sum().backward()
-    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    assert counts == {"reduce_scatter_tensor": 4 * blocks,
-                      "all_gather_into_tensor": 4 * blocks + 2}
+        with loss_parallel() if lp else contextlib.nullcontext():
+            loss_fn(model(x), x).backward()
+        tp_script.sum_partial_grads(model)
+        tp_script.clip_grad_norm(model.parameters(), 1.0)
+        optimizer.step()
+    counts = {}
+    for op, n in comm.get_comm_counts().items():
+        kind = KINDS[str(op).split(".")[-1]]
+        counts[kind] = counts.get(kind, 0) + n
+    return counts
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+@pytest.mark.parametrize("dp, sp, lp", [(1, False, False), (1, True, False), (1, True, True),
+                                        (2, False, False), (2, True, True)],
+                         ids=["TP", "TP+SP", "TP+SP+LP", "2D", "2D+SP+LP"])
+def test_one_training_step_makes_exactly_the_theorys_collectives(dp, sp, lp, blocks,
+                                                                 fake_group, cuda_defaults):
+    """Per block, Megatron's four: forward all-reduces the partial sums after `o` and `down`,
+    backward the gradient of the block's input before q, k, v (together) and before `up`. SP
+    turns each into a reduce-scatter and an all-gather, and adds an all-gather before the
+    output layer and one of the embeddings' gradient; its norms' partial gradients are added
+    up once, in one all-reduce. Loss parallelism: 3 all-reduces of one number per token in the
+    cross-entropy, and the output layer's input gradient reduce-scattered (with SP) or
+    all-reduced. Clipping: one all-reduce. Adam: none. 2D adds FSDP's all-gathers (each block
+    and the root in forward, each block again in backward) and reduce-scatters (each block
+    and the root); with SP, FSDP adds up each norm parameter's gradient over TP itself, one
+    all-reduce each (a weight and a bias per norm, 2 norms per block and the final one)."""
+    b = blocks
+    theory = {  # dp, sp, lp: {kind: count}
+        (1, False, False): {"all-reduce": 4 * b + 1},
+        (1, True, False): {"reduce-scatter": 4 * b, "all-gather": 4 * b + 2, "all-reduce": 2},
+        (1, True, True): {"reduce-scatter": 4 * b + 1, "all-gather": 4 * b + 2,
+                          "all-reduce": 3 + 2},
+        (2, False, False): {"all-reduce": 4 * b + 1, "all-gather": 2 * b + 1,
+                            "reduce-scatter": b + 1},
+        (2, True, True): {"reduce-scatter": 4 * b + 1 + b + 1,
+                          "all-gather": 4 * b + 2 + 2 * b + 1,
+                          "all-reduce": 3 + 2 * (2 * b + 1) + 1}}
+    assert step_collectives(fake_group(dp, 2), blocks, sp, lp) == theory[dp, sp, lp]
 
 
 def test_under_loss_parallelism_no_rank_holds_the_whole_logits(fake_group):
