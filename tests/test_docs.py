@@ -193,5 +193,5 @@ def test_lesson_0s_four_calls_are_a_file_that_runs_and_the_page_quotes_it():
                       (REPO / "docs" / "course.md").read_text(), re.S).group(1)
     assert block.splitlines() == body
     out = ok(launch(*torchrun_cmd(2, "docs/collective.py")))
-    assert sorted(line for line in out.splitlines() if line.startswith("rank ")) == [
-        "rank 0: [3.0, 3.0, 3.0, 3.0]", "rank 1: [3.0, 3.0, 3.0, 3.0]"]
+    # (the two ranks share torchrun's stdout: their lines may interleave)
+    assert sorted(re.findall(r"rank (\d): \[3\.0, 3\.0, 3\.0, 3\.0\]", out)) == ["0", "1"]
