@@ -187,10 +187,11 @@ def evaluate(model, dataset, batch_size, device, amp_dtype):
 def train(args, device):
     """Train; return the model, the final loss and the final validation loss."""
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
-    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
-    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
+    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
+    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
+    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
+    # fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
@@ -217,12 +218,10 @@ def train(args, device):
     # bits on the fly inside each op, so the optimizer's small updates are not rounded away.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- AMP: a GradScaler, for fp16 only ---
-    # fp16 has 5 exponent bits: below 6e-5 its numbers lose precision, and anything under
-    # 6e-8 becomes 0. Gradients of deep or large models fall that low (measured on this
-    # small model without a scaler: none smaller than 6.0e-8, where fp32's go down to 6e-11,
-    # yet the share of exactly-zero gradients, the dead ReLUs', is the same 1% as in fp32).
-    # Scaling the loss lifts them into range. bf16 has fp32's 8 exponent bits (it gives up
-    # mantissa instead): nothing underflows, no scaler. Disabled, the scaler is a no-op.
+    # fp16 has 5 exponent bits: below 6e-5 its numbers lose precision, and anything under 6e-8
+    # becomes 0. Gradients of deep or large models fall that low. Scaling the loss lifts them
+    # into range. bf16 has fp32's 8 exponent bits (it gives up mantissa instead): nothing
+    # underflows, no scaler. Disabled, the scaler is a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
     # --- end ---

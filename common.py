@@ -82,7 +82,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: x + attn(norm(x)), then x + down(relu(up(norm(x)))).
+    """A pre-norm transformer block: x + attn(norm(x)), then x + down(gelu(up(norm(x)))).
 
     Attention mixes information across positions; the feed-forward pair `up` (hidden -> 4 x
     hidden) and `down` (back) works on each position alone. The norms come before each part
@@ -103,7 +103,11 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
-        return x + self.down(torch.relu(self.up(self.mlp_norm(x))))
+        # GELU, as GPT-2: smooth where ReLU has a kink at 0. At a kink, a unit's input within
+        # rounding of 0 lets two correct summation orders (ranks, micro-batches, GPU kernels)
+        # pass a token's gradient through it or not, and Adam turns that into visible steps:
+        # fp32 runs that should match part (docs/drift.md). GELU's slope changes smoothly.
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
 
 class SimpleModel(nn.Module):

@@ -268,10 +268,11 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
 def train(args, rank, world_size, device):
     """Train; return the sharded model, the final loss (the ranks' mean) and val loss."""
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
-    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
-    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
+    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
+    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
+    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
+    # fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     # --- FSDP: build the model without memory, shard it, then fill the shards ---
     # On the "meta" device a module has shapes but no storage: a model far bigger than one

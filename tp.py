@@ -302,7 +302,7 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
     # the output whole (its backward all-reduces the gradient of the block's input).
     # Attention: q, k and v by columns, so rank r holds heads r*H/T .. (r+1)*H/T - 1 of each,
     # whole (hence --heads divisible by --tp), and attention runs per head with no
-    # communication; `o` by rows. The MLP: `up` by columns, `down` by rows; the ReLU between
+    # communication; `o` by rows. The MLP: `up` by columns, `down` by rows; the GELU between
     # them is elementwise. The norms, the embeddings and the head stay whole on every rank of
     # the group (replicated): norms act on whole tokens, and the rest is small here.
     # --- SP: between the TP regions, each rank keeps 1/T of the sequence ---
@@ -388,10 +388,11 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
 def train(args, rank, world_size, device):
     """Train; return the sharded model, the final loss (the ranks' mean) and val loss."""
     # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam and ReLU can blow that up to
-    # 1e-2 within a few steps (docs/drift.md); in float64 a correct strategy stays within
-    # 1e-9 of one device (rounding: ~1e-13), so any gap is a bug. Built (and the data drawn) in fp32, then
-    # cast: an fp64 run starts from exactly the fp32 run's numbers.
+    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
+    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
+    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
+    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
+    # fp32 run's numbers.
     dtype = torch.float64 if args.fp64 else torch.float32
     # --- TP: build the model without memory, cut it (and shard it), then fill the pieces ---
     # On the "meta" device a module has shapes but no storage: a model far bigger than one

@@ -17,24 +17,25 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 THREADS = 1  # as the tests run the oracle, and as torchrun runs each rank
 SIZE = dict(hidden=24, blocks=3, heads=3)  # the tests' model (tests/conftest.py: JOB)
-RELU = {}  # torch.relu itself, kept by a worker that swaps it (below)
+GELU = {}  # F.gelu itself, kept by a worker that swaps it (below)
 
 
-def weights(steps, batch, lr, seed, ranks, fp64, threads, gelu=False):
+def weights(steps, batch, lr, seed, ranks, fp64, threads, relu=False):
     import torch
+    import torch.nn.functional as F
     torch.set_num_threads(threads)
-    # The counterfactual column: SimpleModel's MLP (it calls torch.relu, common.py) with GELU,
-    # which has no kink; set on every call, since a pool's worker runs several jobs.
-    RELU.setdefault("relu", torch.relu)
-    torch.relu = torch.nn.functional.gelu if gelu else RELU["relu"]
+    # The history column: SimpleModel's MLP (it calls F.gelu, common.py) with ReLU, as it had
+    # until GELU replaced it; set on every call, since a pool's worker runs several jobs.
+    GELU.setdefault("gelu", F.gelu)
+    F.gelu = torch.relu if relu else GELU["gelu"]
     from reference import reference_train
     return reference_train(steps, batch, lr, seed, **SIZE, ranks=ranks, fp64=fp64)[1]
 
 
 def apart(job):
     """Largest weight difference between any two of 1 rank and `ranks` after `steps`."""
-    steps, batch, lr, seed, ranks, fp64, threads, *gelu = job
-    runs = [weights(steps, batch, lr, seed, n, fp64, threads, *gelu) for n in (1, *ranks)]
+    steps, batch, lr, seed, ranks, fp64, threads, *relu = job
+    runs = [weights(steps, batch, lr, seed, n, fp64, threads, *relu) for n in (1, *ranks)]
     return max(max((a[k] - b[k]).abs().max().item() for k in a)
                for i, a in enumerate(runs) for b in runs[i + 1:])
 
@@ -48,7 +49,7 @@ def main():
         horizons, seeds = (1, 2, 4, 8), range(12)
         print("\nThe tests' JOB (fp32, batch 300, lr 3e-3), any two of 1, 2 and 3 ranks:")
         print("\n| seed | " + " | ".join(f"{s} step{'s' * (s > 1)}" for s in horizons)
-              + " | 8 steps, GELU for ReLU |")
+              + " | 8 steps, ReLU for GELU |")
         print("|---|" + "---|" * (len(horizons) + 1))
         for seed in seeds:
             jobs = [(s, 300, 3e-3, seed, (2, 3), False, THREADS) for s in horizons]

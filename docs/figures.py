@@ -8,7 +8,7 @@ proof.png      training and validation loss against step for every strategy on t
                and the largest weight difference from the one-device run against step, in
                fp32 and with --fp64 (where it stays at rounding, ~1e-15).
 drift.png      1 rank against 2 ranks over a long run, several seeds: where rounding stays,
-               and where Adam and ReLU amplify it (docs/drift.md); in fp32 and in fp64.
+               and where Adam amplifies it (docs/drift.md); in fp32 and in fp64.
 timeline.png   one training step of every rank, from `--profile` traces: compute and
                communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
 timeline-gpu.png   the same from this machine's GPUs (python docs/figures.py --device cuda;

@@ -531,18 +531,17 @@ def logged_losses(stdout):
 
 
 @functools.lru_cache(maxsize=None)
-def fp32_reference(ranks=1):
-    """The oracle's (initial, final weights, losses, gradient norms) for JOB in fp32, each
-    step's gradient the mean of `ranks` half-, third-... batch gradients, as data-parallel
-    ranks make it (the same forward on each rank's samples: the same ReLU decisions, TOL)."""
+def fp32_reference():
+    """The oracle's (initial, final weights, losses, gradient norms) for JOB in fp32: one
+    device, one batch per step."""
     from reference import reference_train
     norms = []
-    return (*reference_train(**JOB, ranks=ranks, norms=norms), norms)
+    return (*reference_train(**JOB, norms=norms), norms)
 
 
 @pytest.fixture(scope="session")
 def reference():
-    """fp32_reference() (one batch), for the tests that compare a run with one device."""
+    """fp32_reference(), for the tests that compare a run with one device."""
     return fp32_reference()
 
 

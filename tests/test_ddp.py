@@ -57,9 +57,9 @@ def weights(runs, name):
 
 
 def test_ddp_on_2_ranks_equals_one_device_in_fp32(runs):
-    """Against the oracle averaging two half-batch gradients, as 2 ranks do (conftest.TOL)."""
+    """Against one device: the oracle's one batch (conftest.TOL)."""
     out, weights_ = succeeded(runs["2 ranks"])
-    _, expected, _, norms = fp32_reference(ranks=2)
+    _, expected, _, norms = fp32_reference()
     assert max_diff(weights_, expected) < TOL
     assert_norms_are_the_oracles(out, norms)
 
@@ -68,7 +68,7 @@ def test_zero1_on_2_ranks_equals_one_device_and_holds_8_plus_8_over_2_bytes_per_
     """Adam's moments (8 of the 16 bytes per fp32 weight) dealt over 2 ranks: 12 bytes per
     weight on each, as far as the greedy split by size balances them."""
     out, weights_ = succeeded(runs["2 ranks, zero1"])
-    assert max_diff(weights_, fp32_reference(ranks=2)[1]) < TOL
+    assert max_diff(weights_, fp32_reference()[1]) < TOL
     plain = state_mib(succeeded(runs["2 ranks"])[0])
     assert state_mib(out) == pytest.approx(plain * 12 / 16, rel=0.05)
 
@@ -84,7 +84,7 @@ def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_zero1_or_clipping_equals_th
 
 def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs):
     losses = logged_losses(succeeded(runs["2 ranks"])[0])
-    expected = fp32_reference(ranks=2)[2]
+    expected = fp32_reference()[2]
     assert losses[0] == pytest.approx(expected[0], abs=1e-5)
     assert losses[-1] == pytest.approx(expected[-1], abs=1e-5)
 

@@ -68,9 +68,9 @@ def state_mib(stdout):
 
 
 def test_fsdp_on_2_ranks_equals_one_device_in_fp32(runs, reference_val):
-    """Against the oracle averaging two half-batch gradients, as 2 ranks do (conftest.TOL)."""
+    """Against one device: the oracle's one batch (conftest.TOL)."""
     out, weights = succeeded(runs["2 ranks"])  # --save: a plain state_dict, strict
-    _, expected, losses, norms = fp32_reference(ranks=2)
+    _, expected, losses, norms = fp32_reference()
     assert max_diff(weights, expected) < TOL
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(losses[-1], abs=1e-5)
