@@ -140,7 +140,7 @@ def checkpointing(reps=2):
     blocks of hidden 256, 4 heads; 256 sequences of 16 tokens per rank), wide enough that a
     block's time is its matrix products, not Python (at hidden 64 the recomputed forward also
     repeats the Python and dispatch work that dominates there: docs/compile.md). What a block
-    keeps for backward, per token, in theory: about 12 x hidden numbers; with checkpointing,
+    keeps for backward, per token, in theory: about 16 x hidden numbers; with checkpointing,
     only its input (1 x hidden) and one block's recomputation at a time.
 
     Memory is the peak RSS of rank 0's process. As it comes, that counts what glibc's malloc
