@@ -1,7 +1,8 @@
 """What every script in this collection shares and none of them teaches.
 
-The model, the data, seeding, and the log lines; the plumbing around them (flag checks, how
-many GPUs a machine's ranks have, how a process becomes a rank and leaves the group, the
+First the model and the data (read these: every script trains them); then, behind a banner,
+the plumbing (the flags every script shares and their checks, the per-block compile and
+checkpointing, how many GPUs a machine's ranks have, how a process becomes a rank and leaves the group, the
 one-line error, atomic saves, the checks that a checkpoint belongs to this run, the sharded
 checkpoint's folder and a loader for it that reads data and never code, the timer, the state
 count and the profiler); and the diagnostics (`python common.py`). Nothing here teaches
@@ -13,6 +14,7 @@ file does nothing but define things.
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import pickle
@@ -29,6 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 try:
     import resource  # the peak memory of this process: Linux and macOS
@@ -202,6 +205,12 @@ def seed_everything(seed):
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+# ---------------------------------------------------------------------------------------------
+# Plumbing: what every script shares and none of them teaches. A learner can stop reading here:
+# each piece says which scripts call it and why; the techniques live in the scripts.
+# ---------------------------------------------------------------------------------------------
+
+
 def positive(kind):
     """argparse type: a positive int or float, with an error that names the fix."""
 
@@ -252,6 +261,154 @@ def compile_problem(use_cuda, fp64=False):
                 "headers and finds no Python.h; install them (apt-get install python3-dev) "
                 "or drop --compile")
     return None
+
+
+# --- The flags every script shares, and their checks. Each script's parse_args starts from
+# shared_parser, adds its technique's flags to its groups, and calls check_shared_flags;
+# the scripts that run several ranks then call launch_world. A learner can skip this: the
+# flags are listed in docs/usage.md, and a bad one is refused in one line that names the fix. ---
+
+def shared_parser(doc, accum=True, sharded=False, ranks=False,
+                  nproc_help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)"):
+    """An ArgumentParser with the flags every script shares, in groups a script adds to
+    (`parser.groups["hardware"]`, say): training, model, hardware, output. accum: the
+    --accum-steps flag (pipeline.py has micro-batches instead). sharded: --checkpoint is a
+    folder of shards (fsdp.py, tp.py), not a file. ranks: a script that runs several ranks,
+    with --backend, --nproc (helped by nproc_help) and --timeout."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    groups = parser.groups = {title: parser.add_argument_group(title)
+                              for title in ("training", "model", "hardware", "output")}
+    train = groups["training"]
+    train.add_argument("--steps", type=positive(int), default=100, help="optimizer steps in all")
+    train.add_argument("--batch-size", type=positive(int), default=64,
+                       help="global batch: samples per optimizer step, over all ranks and "
+                            "micro-batches")
+    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    train.add_argument("--fp64", action="store_true",
+                       help="train in float64 (weights, data, Adam's state, every collective): "
+                            "slower, but a correct strategy then ends within 1e-9 of "
+                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
+    if accum:
+        train.add_argument("--accum-steps", type=positive(int), default=1,
+                           help="micro-batches accumulated per optimizer step")
+    train.add_argument("--clip", type=float, default=0.0,
+                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
+                            "so the defaults train exactly like every other script)")
+    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
+    train.add_argument("--eval-every", type=positive(int), default=25,
+                       help="steps between evaluations on the held-out set (and at the end)")
+    model = groups["model"]
+    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
+    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
+    model.add_argument("--heads", type=positive(int), default=4,
+                       help="attention heads per block (must divide --hidden)")
+    hardware = groups["hardware"]
+    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="auto: CUDA if available, else CPU")
+    hardware.add_argument("--compile", action="store_true",
+                          help="compile each block with torch.compile (inductor)")
+    hardware.add_argument("--activation-checkpointing", action="store_true",
+                          help="drop each block's activations after forward and recompute "
+                               "them in backward: less memory, about one more forward")
+    if ranks:
+        hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                              help="auto: NCCL where every rank has a GPU of its own, else gloo")
+        hardware.add_argument("--nproc", type=positive(int), default=None, help=nproc_help)
+        # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is
+        # busy alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
+        hardware.add_argument("--timeout", type=positive(float), default=600.0,
+                              help="seconds a collective (or a send) may wait for a peer "
+                                   "before the job fails")
+    output = groups["output"]
+    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
+    output.add_argument("--profile", metavar="DIR",
+                        help="write a Chrome trace of steps 5-7 per rank into DIR "
+                             "(torch.profiler; open in ui.perfetto.dev)")
+    output.add_argument("--checkpoint", metavar="PATH",
+                        help="a folder: resume from it if it holds one; write sharded state "
+                             "there" if sharded else
+                             "resume from PATH if it exists; write model, optimizer, step there")
+    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
+                        help="write --checkpoint every N steps (and at the end)")
+    return parser
+
+
+def check_shared_flags(parser, args, compile_check=True):
+    """Refuse a bad shared flag in one line (parser.error: usage, the line, exit 2). Returns
+    whether this run uses CUDA. compile_check=False: the script says itself why it refuses
+    --compile (dataparallel.py)."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    problem = compile_problem(use_cuda, args.fp64) if args.compile and compile_check else None
+    if problem:  # no compiler, say
+        parser.error(problem)
+    if args.hidden % args.heads:
+        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
+                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
+    # One process: the batch divides into micro-batches. Several ranks: launch_world's caller
+    # checks the batch against ranks x micro-batches, with the message that names both.
+    if "nproc" not in args and args.batch_size % getattr(args, "accum_steps", 1):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by "
+                     f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
+        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
+    if args.batch_size > DATASET_SIZE:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
+                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
+    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
+                         "create it first")
+    return use_cuda
+
+
+def launch_world(parser, args, use_cuda, width=None, own_gpus=True):
+    """(world size, ranks on this machine, GPUs on it) of a script that runs several ranks, with the
+    checks every such script shares: torchrun's ranks, or --nproc workers (default: one per
+    GPU, 2 on a CPU, or fewer where that many would not divide the batch, nor `width`: what TP
+    cuts); each rank's own GPU (own_gpus; ddp.py lets gloo ranks share one); and a --backend
+    that carries this device's tensors."""
+    gpus = machine_gpus() if use_cuda else 0
+    heads = f" (and --heads a multiple of {gpus})" if width is not None else ""
+    hint = (f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
+            f"{gpus * args.accum_steps}{heads} to use all")
+    world_size, local_world = ranks(
+        args, most_workers(gpus, args.batch_size, args.accum_steps, width), gpus, hint)
+    if own_gpus and use_cuda and local_world > gpus and "RANK" not in os.environ:
+        # else setup() tells; DDP's fallback (gloo ranks sharing a GPU) does not carry over.
+        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
+                     "GPU per rank; use fewer ranks or --device cpu")
+    carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
+    if own_gpus and args.backend not in ("auto", carrier):
+        parser.error(f"--backend {args.backend}: {'GPU' if use_cuda else 'CPU'} tensors travel "
+                     f"over {carrier} only; use --backend {carrier} (or auto)")
+    return world_size, local_world, gpus
+
+
+# --- --compile and --activation-checkpointing: the same in every script (docs/compile.md).
+# Each script calls compile_and_checkpoint at the one place where its order matters: right
+# after the model is built, before DDP, fully_shard, TP's plan or PipelineStage take it. ---
+
+def compile_and_checkpoint(blocks, args):
+    """--compile and --activation-checkpointing, per block, in place. Both wrap the block's
+    forward method, not the module, so the parameter names stay SimpleModel's (no "_orig_mod."
+    prefix, no checkpoint wrapper's): checkpoints and --save files load with or without them."""
+    for block in blocks:
+        if args.compile:
+            # The block's forward, compiled (inductor). Before checkpointing wraps it
+            # (measured: 1 graph either way round, but 0 when the whole module is compiled
+            # after its forward was patched: docs/compile.md). Inside, backward's recomputation
+            # runs the compiled code again. The first step pays the compile time (the
+            # summary's "first step").
+            block.forward = torch.compile(block.forward)
+        if args.activation_checkpointing:
+            # Keep only the block's input after forward; backward runs its forward again for
+            # the rest (the norms' outputs, q, k, v, attention's output, GELU's input and
+            # output: docs/compile.md counts them), at about one more forward's compute.
+            # Non-reentrant, the current implementation.
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def most_workers(gpus, batch_size, accum_steps=1, width=None):

@@ -62,7 +62,6 @@ Docs
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
-import argparse
 import contextlib
 import datetime
 import functools
@@ -75,51 +74,19 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import compile_problem, save_atomic, seed_everything, unloadable
+from common import save_atomic, seed_everything, unloadable
 from common import SEQ_LEN  # what context parallelism cuts
-from common import gpu_sharers, launch, leave, machine_gpus, most_workers, ranks, rendezvous_store
+from common import gpu_sharers, launch, leave, rendezvous_store
+from common import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=positive(int), default=100, help="optimizer steps in all")
-    train.add_argument("--batch-size", type=positive(int), default=64,
-                       help="global batch: samples per optimizer step, summed over all ranks")
-    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
-    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
-    train.add_argument("--fp64", action="store_true",
-                       help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within 1e-9 of "
-                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
-    train.add_argument("--accum-steps", type=positive(int), default=1,
-                       help="micro-batches accumulated per optimizer step")
-    train.add_argument("--clip", type=float, default=0.0,
-                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
-                            "so the defaults train exactly like every other script)")
-    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
-    train.add_argument("--eval-every", type=positive(int), default=25,
-                       help="steps between evaluations on the held-out set (and at the end)")
-    model = parser.add_argument_group("model")
-    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
-    model.add_argument("--heads", type=positive(int), default=4,
-                       help="attention heads per block (must divide --hidden)")
-    hardware = parser.add_argument_group("hardware")
-    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                          help="auto: CUDA if available, else CPU")
-    hardware.add_argument("--compile", action="store_true",
-                          help="compile each block with torch.compile (inductor)")
-    hardware.add_argument("--activation-checkpointing", action="store_true",
-                          help="drop each block's activations after forward and recompute "
-                               "them in backward: less memory, about one more forward")
-    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL where every rank has a GPU of its own, else gloo")
+    parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
+    hardware = parser.groups["hardware"]
     hardware.add_argument("--cp", type=positive(int), default=None,
                           help="ranks in each context-parallel group, each holding 1/CP of "
                                "every sequence (default: all of them); fewer: data parallel "
@@ -127,47 +94,10 @@ def parse_args(argv=None):
     hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
                           help="how attention reaches the other ranks' keys and values: "
                                "all-gather them, or pass them round a ring")
-    hardware.add_argument("--nproc", type=positive(int), default=None,
-                          help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)")
-    # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
-    # alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
-    hardware.add_argument("--timeout", type=positive(float), default=600.0,
-                          help="seconds a collective may wait for a peer before the job fails")
-    output = parser.add_argument_group("output")
-    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
-    output.add_argument("--profile", metavar="DIR",
-                        help="write a Chrome trace of steps 5-7 per rank into DIR "
-                             "(torch.profiler; open in ui.perfetto.dev)")
-    output.add_argument("--checkpoint", metavar="PATH",
-                        help="resume from PATH if it exists; write model, optimizer, step there")
-    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
-                        help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
-
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    problem = compile_problem(use_cuda, args.fp64) if args.compile else None  # no compiler, say
-    if problem:
-        parser.error(problem)
-    if args.hidden % args.heads:
-        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
-                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
-    gpus = machine_gpus() if use_cuda else 0
-    # torchrun's ranks, or the --nproc workers started here: by default one per GPU (2 on a
-    # CPU), or fewer where that many would not divide the batch (common.most_workers).
-    world_size, local_world = ranks(
-        args, most_workers(gpus, args.batch_size, args.accum_steps), gpus,
-        f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
-        f"{gpus * args.accum_steps} to use all")
-    if use_cuda and local_world > gpus and "RANK" not in os.environ:  # else setup() tells
-        # DDP's fallback (gloo ranks sharing a GPU) does not carry over: NCCL, one GPU per rank.
-        parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
-                     "GPU per rank; use fewer ranks or --device cpu")
-    carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
-    if args.backend not in ("auto", carrier):
-        parser.error(f"--backend {args.backend}: {'GPU' if use_cuda else 'CPU'} tensors travel "
-                     f"over {carrier} only; use --backend {carrier} (or auto)")
+    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    # torchrun's ranks, or the --nproc workers started here, a GPU each (common.launch_world)
+    world_size = launch_world(parser, args, use_cuda)[0]
     args.cp = args.cp or world_size
     if world_size % args.cp:
         parser.error(f"--cp {args.cp} must divide the world size {world_size} (the ranks form "
@@ -181,15 +111,6 @@ def parse_args(argv=None):
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} CP "
                      f"group(s) x --accum-steps {args.accum_steps}; "
                      f"use a multiple of {dp * args.accum_steps}")
-    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
-    if args.batch_size > DATASET_SIZE:
-        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
-                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
-    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
-                         "create it first")
     return args
 
 
@@ -409,25 +330,9 @@ def train(args, rank, world_size, device):
     # Same seed on every rank: the replicas start alike (DDP would broadcast rank 0's anyway).
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
-    # --- Activation checkpointing and compiling: per block, before any wrapper ---
-    for block in model.blocks.values():
-        if args.compile:
-            # The block's forward, compiled (inductor). The module stays, and with it the
-            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
-            # Before checkpointing wraps it (measured: 1 graph either way round, but 0 when the
-            # whole module is compiled after its forward was patched: docs/compile.md).
-            # Inside, backward's recomputation runs the compiled code again. The first
-            # step pays the compile time (the summary's "first step").
-            block.forward = torch.compile(block.forward)
-        if args.activation_checkpointing:
-            # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
-            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
-            # docs/compile.md), at about one more forward's compute. Non-reentrant,
-            # the current implementation. It wraps the forward, not the module, so parameter
-            # names stay SimpleModel's and checkpoints and --save load with or without it.
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    # --- end ---
+    # --compile and --activation-checkpointing, per block, before DDP wraps the model: its
+    # gradient hooks then stay outside the compiled code (common.py, docs/compile.md)
+    compile_and_checkpoint(model.blocks.values(), args)
     # --- CP: the ranks as a grid, each block's attention reaching across its CP group ---
     # W/C rows ("dp") of C ranks ("cp"), row-major, so a CP group is C consecutive ranks, which
     # torchrun places on one machine. On the device the tensors live on: without it, the mesh

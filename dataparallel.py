@@ -33,69 +33,24 @@ Docs
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU.
 """
 
-import argparse
-import functools
 import itertools
 import os
 
 import torch
 from torch.nn import DataParallel
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
+from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
 from common import save_atomic, seed_everything, unloadable
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=positive(int), default=100, help="optimizer steps in all")
-    train.add_argument("--batch-size", type=positive(int), default=64,
-                       help="global batch: samples per optimizer step, summed over all ranks")
-    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
-    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
-    train.add_argument("--fp64", action="store_true",
-                       help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within 1e-9 of "
-                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
-    train.add_argument("--accum-steps", type=positive(int), default=1,
-                       help="micro-batches accumulated per optimizer step")
-    train.add_argument("--clip", type=float, default=0.0,
-                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
-                            "so the defaults train exactly like every other script)")
-    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
-    train.add_argument("--eval-every", type=positive(int), default=25,
-                       help="steps between evaluations on the held-out set (and at the end)")
-    model = parser.add_argument_group("model")
-    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
-    model.add_argument("--heads", type=positive(int), default=4,
-                       help="attention heads per block (must divide --hidden)")
-    hardware = parser.add_argument_group("hardware")
-    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                          help="auto: CUDA if available, else CPU")
-    hardware.add_argument("--compile", action="store_true",
-                          help="compile each block with torch.compile (inductor)")
-    hardware.add_argument("--activation-checkpointing", action="store_true",
-                          help="drop each block's activations after forward and recompute "
-                               "them in backward: less memory, about one more forward")
-    output = parser.add_argument_group("output")
-    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
-    output.add_argument("--profile", metavar="DIR",
-                        help="write a Chrome trace of steps 5-7 per rank into DIR "
-                             "(torch.profiler; open in ui.perfetto.dev)")
-    output.add_argument("--checkpoint", metavar="PATH",
-                        help="resume from PATH if it exists; write model, optimizer, step there")
-    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
-                        help="write --checkpoint every N steps (and at the end)")
+    parser = shared_parser(__doc__)  # the flags every script shares (docs/usage.md)
     args = parser.parse_args(argv)
-
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    use_cuda = check_shared_flags(parser, args, compile_check=False)
     if args.compile:
         # DataParallel copies the model onto every GPU at every step, and torch.compile does
         # not follow it there (its docs recommend DDP).
@@ -109,21 +64,6 @@ def parse_args(argv=None):
                      f"{torch.cuda.device_count()} GPUs (its replicas would all run GPU 0's "
                      "weights); use ddp.py --activation-checkpointing, or one GPU "
                      "(CUDA_VISIBLE_DEVICES=0)")
-    if args.hidden % args.heads:
-        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
-                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
-    if args.batch_size % args.accum_steps:
-        parser.error(f"--batch-size {args.batch_size} must be divisible by "
-                     f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
-    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
-    if args.batch_size > DATASET_SIZE:
-        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
-                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
-    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
-                         "create it first")
     return args
 
 
@@ -171,17 +111,8 @@ def train(args, device):
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
-    # --- Activation checkpointing: per block, before any wrapper ---
-    for block in model.blocks.values():
-        if args.activation_checkpointing:
-            # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
-            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
-            # docs/compile.md), at about one more forward's compute. Non-reentrant,
-            # the current implementation. It wraps the forward, not the module, so parameter
-            # names stay SimpleModel's and checkpoints and --save load with or without it.
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    # --- end ---
+    # --activation-checkpointing, per block, before DataParallel wraps the model (common.py)
+    compile_and_checkpoint(model.blocks.values(), args)
     # --- DataParallel: wrap the model ---
     # Every forward: replicate the weights onto each visible GPU, scatter the batch along
     # dim 0 (B/G samples each), run the G forwards in threads, gather the outputs on GPU 0.

@@ -62,10 +62,8 @@ Docs
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
-import argparse
 import copy
 import datetime
-import functools
 import itertools
 import os
 
@@ -73,40 +71,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import DATASET_SIZE, SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
+from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
-from common import compile_problem, positive, print0, save_atomic, seed_everything, unloadable
+from common import positive, print0, save_atomic, seed_everything, unloadable
 from common import gpu_sharers, launch, leave, machine_gpus, ranks, rendezvous_store
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=positive(int), default=100, help="optimizer steps in all")
-    train.add_argument("--batch-size", type=positive(int), default=64,
-                       help="global batch: samples per optimizer step, all micro-batches")
-    train.add_argument("--lr", type=positive(float), default=3e-3, help="Adam learning rate")
-    train.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
-    train.add_argument("--fp64", action="store_true",
-                       help="train in float64 (weights, data, Adam's state, every collective): "
-                            "slower, but a correct strategy then ends within 1e-9 of "
-                            "single.py --fp64 (its rounding: ~1e-13), so a gap is a bug")
-    train.add_argument("--clip", type=float, default=0.0,
-                       help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
-                            "so the defaults train exactly like every other script)")
-    train.add_argument("--log-every", type=positive(int), default=20, help="steps between logs")
-    train.add_argument("--eval-every", type=positive(int), default=25,
-                       help="steps between evaluations on the held-out set (and at the end)")
-    model = parser.add_argument_group("model")
-    model.add_argument("--hidden", type=positive(int), default=64, help="width of each block")
-    model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
-    model.add_argument("--heads", type=positive(int), default=4,
-                       help="attention heads per block (must divide --hidden)")
+    parser = shared_parser(__doc__, accum=False, ranks=True, nproc_help=(
+        "stages to start without torchrun, one process each (default: one per GPU, or 2 on a "
+        "CPU); 1: model parallelism"))
     pipe = parser.add_argument_group("pipeline")
     pipe.add_argument("--stages", type=positive(int), default=None,
                       help="stages of the one process of --nproc 1 (default: one per GPU, or "
@@ -116,43 +95,8 @@ def parse_args(argv=None):
                            "(default 4)")
     pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
                       help="order of the micro-batches' forwards and backwards (default gpipe)")
-    hardware = parser.add_argument_group("hardware")
-    hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                          help="auto: CUDA if available, else CPU")
-    hardware.add_argument("--compile", action="store_true",
-                          help="compile each block with torch.compile (inductor)")
-    hardware.add_argument("--activation-checkpointing", action="store_true",
-                          help="drop each block's activations after forward and recompute "
-                               "them in backward: less memory, about one more forward")
-    hardware.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                          help="auto: NCCL for GPU stages, gloo for CPU ones")
-    hardware.add_argument("--nproc", type=positive(int), default=None,
-                          help="stages to start without torchrun, one process each (default: "
-                               "one per GPU, or 2 on a CPU); 1: model parallelism")
-    # PyTorch's default, 10 minutes: a shorter one kills a healthy job while one rank is busy
-    # alone (writing a checkpoint, compiling). The tests pass a short one, to fail fast.
-    hardware.add_argument("--timeout", type=positive(float), default=600.0,
-                          help="seconds a send/recv may wait for a peer before the job fails")
-    output = parser.add_argument_group("output")
-    output.add_argument("--save", metavar="PATH", help="write the final weights (a state_dict)")
-    output.add_argument("--profile", metavar="DIR",
-                        help="write a Chrome trace of steps 5-7 per rank into DIR "
-                             "(torch.profiler; open in ui.perfetto.dev)")
-    output.add_argument("--checkpoint", metavar="PATH",
-                        help="resume from PATH if it exists; write model, optimizer, step there")
-    output.add_argument("--checkpoint-every", type=positive(int), default=50, metavar="N",
-                        help="write --checkpoint every N steps (and at the end)")
     args = parser.parse_args(argv)
-
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    problem = compile_problem(use_cuda, args.fp64) if args.compile else None  # no compiler, say
-    if problem:
-        parser.error(problem)
-    if args.hidden % args.heads:
-        parser.error(f"--heads {args.heads} must divide --hidden {args.hidden} (each head takes "
-                     f"--hidden / --heads of it); use a divisor of {args.hidden}")
+    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
     gpus = machine_gpus() if use_cuda else 0
     # torchrun's ranks, or the --nproc workers started here: by default one stage per GPU (2
     # on a CPU), but never more stages than blocks: on 8 GPUs --blocks 4 makes 4 stages.
@@ -194,15 +138,6 @@ def parse_args(argv=None):
         # Every stage gets at least one block (embeddings on the first, the head on the last).
         parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
                      f"block; use --blocks {args.stages} or more, or fewer stages")
-    if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
-        parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
-    if args.batch_size > DATASET_SIZE:
-        parser.error(f"--batch-size {args.batch_size} is larger than the dataset "
-                     f"({DATASET_SIZE} samples); use at most {DATASET_SIZE}")
-    for flag, path in (("--save", args.save), ("--checkpoint", args.checkpoint)):
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
-                         "create it first")
     return args
 
 
@@ -336,27 +271,11 @@ def train(args, rank, world_size, devices):
         # --- end ---
     else:
         stages = [cut(model, rank, world_size).to(devices[0])]  # this rank's stage only
-    # --- Activation checkpointing and compiling: per block, before any wrapper ---
-    for block in [block for stage_module in stages for block in stage_module.blocks.values()]:
-        if args.compile:
-            # The block's forward, compiled (inductor). The module stays, and with it the
-            # parameter names (no "_orig_mod." prefix): checkpoints and --save load either way.
-            # Before checkpointing wraps it (measured: 1 graph either way round, but 0 when the
-            # whole module is compiled after its forward was patched: docs/compile.md).
-            # Inside, backward's recomputation runs the compiled code again. The first
-            # step pays the compile time (the summary's "first step").
-            block.forward = torch.compile(block.forward)
-        if args.activation_checkpointing:
-            # Keep only the block's input after forward; backward runs its forward again for
-            # the rest (here the norms' outputs, q, k, v, the attention weights and the 4x-wide
-            # MLP units: about 12 x hidden numbers per token, where the input is 1 x hidden;
-            # docs/compile.md), at about one more forward's compute. Non-reentrant,
-            # the current implementation. It wraps the forward, not the module, so parameter
-            # names stay SimpleModel's and checkpoints and --save load with or without it.
-            # In a pipeline each micro-batch keeps its activations until its backward (GPipe:
-            # all m of them at once), so the saving counts once per micro-batch in flight.
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    # --- end ---
+    # --compile and --activation-checkpointing, per block of this rank's stages, before
+    # PipelineStage takes them (common.py). Each micro-batch keeps its activations until its
+    # backward (GPipe: all m at once), so checkpointing saves once per micro-batch in flight.
+    compile_and_checkpoint([block for stage_module in stages
+                            for block in stage_module.blocks.values()], args)
     if world_size > 1:
         # --- Pipeline parallelism: this rank's stage, and the schedule that drives it ---
         device = devices[0]

@@ -3,8 +3,12 @@ flags the scripts have; the diffs the README recommends stay the size it says; e
 page states that the code decides is what the code gives now (docs/derived.py)."""
 
 import ast
+import contextlib
 import difflib
+import functools
+import importlib
 import importlib.util
+import io
 import re
 import shutil
 
@@ -49,10 +53,18 @@ def test_every_section_a_page_links_to_exists(page):
 SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "cp", "common"]
 
 
+@functools.lru_cache(maxsize=None)
 def flags_of(script):
-    """The flags `script`.py's parser defines (its add_argument calls)."""
-    source = (REPO / f"{script}.py").read_text()
-    return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
+    """The flags `script`.py's parser defines (the shared ones, common.shared_parser's, and its
+    own): the option lines of its --help. common.py's diagnostics: its add_argument calls."""
+    module = importlib.import_module(script)
+    if not hasattr(module, "parse_args"):
+        source = (REPO / f"{script}.py").read_text()
+        return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    return set(re.findall(r"^ +(?:-h, )?(--[a-z0-9-]+)", out.getvalue(), re.M))
 
 
 def flags_named_for_scripts(text):
