@@ -2,8 +2,8 @@
 
 First the model and the data (read these: every script trains them); then, behind a banner,
 the plumbing (the flags every script shares and their checks, the per-block compile and
-checkpointing, how many GPUs a machine's ranks have, how a process becomes a rank and leaves the group, the
-one-line error, atomic saves, the checks that a checkpoint belongs to this run, the sharded
+checkpointing, how many GPUs a machine's ranks have, how a process becomes a rank and leaves
+the group, the one-line error, atomic saves, the checks that a checkpoint belongs to this run, the sharded
 checkpoint's folder and a loader for it that reads data and never code, the timer, the state
 count and the profiler); and the diagnostics (`python common.py`). Nothing here teaches
 DataParallel, DDP, mixed precision, sharding or pipelines: the technique lives in its own
@@ -365,8 +365,8 @@ def check_shared_flags(parser, args, compile_check=True):
 
 
 def launch_world(parser, args, use_cuda, width=None, own_gpus=True):
-    """(world size, ranks on this machine, GPUs on it) of a script that runs several ranks, with the
-    checks every such script shares: torchrun's ranks, or --nproc workers (default: one per
+    """(world size, ranks on this machine, GPUs on it) of a script that runs several ranks,
+    with the checks every such script shares: torchrun's ranks, or --nproc workers (default: one per
     GPU, 2 on a CPU, or fewer where that many would not divide the batch, nor `width`: what TP
     cuts); each rank's own GPU (own_gpus; ddp.py lets gloo ranks share one); and a --backend
     that carries this device's tensors."""

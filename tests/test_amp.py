@@ -19,8 +19,8 @@ amp = importlib.import_module("amp")  # the script under test, for its optimizer
 # Measured on CPU, torch 2.13.0, JOB (8 steps): the final loss of bf16 is 5.7e-7 and of fp16
 # 2.3e-6 away from fp32's, relative (docs/proofs.md). bf16 keeps 8 mantissa bits (rounding
 # error up to 0.4% per op), fp16 11 but with loss scaling in the way; errors mostly average out
-# over a batch of 300 sequences. A 1% bound leaves a wide margin, and a run that does not train at all misses fp32's
-# loss by more (JOB moves it from 3.66 to 3.50: 4.2%).
+# over a batch of 300 sequences. A 1% bound leaves a wide margin, and a run that does not
+# train at all misses fp32's loss by more (JOB moves it from 3.66 to 3.50: 4.2%).
 LOW_PRECISION_REL_TOL = 0.01
 CLIP = 0.05  # small enough that clipping is active at every step of JOB
 

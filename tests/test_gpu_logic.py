@@ -4,9 +4,9 @@ and stage counts on 1-8 GPUs, the autocast type by compute capability, every scr
 where GPUs are visible, one GPU per rank (srun --gpus-per-task=1), FSDP's mesh on the CPU
 where a GPU is visible, weights saved as CPU tensors, and a clock that waits for every GPU."""
 
+import argparse
 import concurrent.futures
 import datetime
-import functools
 import importlib
 import sys
 import types
@@ -14,7 +14,6 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 import common
 from conftest import (JOB_FLAGS, TOL, free_port, launch, load_saved, max_diff, ok,
@@ -286,9 +285,10 @@ def test_dataparallel_refuses_activation_checkpointing_on_2_gpus_in_one_line(fak
 
 def test_why_a_dataparallel_replica_would_run_gpu0s_checkpointed_forward():
     """The reason for the refusal above: a forward stored on a module instance is copied, bound
-    to the original, into every replica DataParallel makes of it."""
+    to the original, into every replica DataParallel makes of it (the scripts' own wrapping)."""
     block = common.Block(4, 2)
-    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    common.compile_and_checkpoint([block], argparse.Namespace(compile=False,
+                                                              activation_checkpointing=True))
     replica = block._replicate_for_data_parallel()
     assert replica.forward.args[0].__self__ is block
 
