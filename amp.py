@@ -45,25 +45,23 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, unloadable
+from common import save_atomic, seed_everything, train_state, unloadable
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__)  # the flags every script shares (docs/usage.md)
-    hardware = parser.groups["hardware"]
-    hardware.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                          help="autocast type; auto: bf16 on CPUs and on GPUs of compute "
-                               "capability 8.0 or more, else fp16 (fp32 with --fp64)")
+    parser.groups["hardware"].add_argument(
+        "--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+        help="autocast type; auto: bf16 on CPUs and GPUs of compute capability 8.0+, else fp16")
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
     if args.fp64 and args.dtype in ("bf16", "fp16"):
         parser.error(f"--fp64 with --dtype {args.dtype}: autocast would compute in 16 bits; "
                      "use --dtype fp32 (autocast off) with --fp64")
     if args.dtype == "auto":
-        # bf16 where it runs on tensor cores: compute capability 8.0 (A100) and later, and
-        # CPUs. Not torch.cuda.is_bf16_supported(): by default it also says yes on V100 and T4,
-        # which only emulate bf16 (slowly), where fp16 + GradScaler is the fast choice.
+        # bf16 on CPUs and on compute capability 8.0 (A100) and later; not is_bf16_supported(),
+        # which says yes on V100 and T4 too, where bf16 is emulated and fp16 is the fast choice.
         bf16_ok = not use_cuda or torch.cuda.get_device_capability(0)[0] >= 8
         args.dtype = "fp32" if args.fp64 else "bf16" if bf16_ok else "fp16"
     return args
@@ -78,23 +76,20 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    print(f"amp: dtype {args.dtype} | device {device.type} | torch {torch.__version__}",
-          flush=True)
+    print(f"amp: dtype {args.dtype} | device {device.type} | torch {torch.__version__}", flush=True)
     return device
 
 
 def optimizer_step(model, optimizer, scaler, clip):
     """Unscale, clip, step, update: the order matters. Returns (gradient norm, skipped)."""
     # --- AMP: step through the scaler ---
-    # The gradients are still multiplied by the scale (65536 at first). unscale_ divides them
-    # in place and records whether any is inf/NaN. It must come BEFORE clipping: clipping the
-    # scaled gradients would measure a norm 65536x too large and shrink the true gradient to
-    # almost nothing (the bug in many copied examples).
+    # The gradients are still multiplied by the scale (65536 at first): unscale_ divides them
+    # (and notes any inf/NaN) BEFORE clipping, which would otherwise measure a norm 65536x too
+    # large and shrink the true gradient to almost nothing.
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
     scale = scaler.get_scale()  # a GPU sync: fine once a step at this size
-    # step() calls optimizer.step() only if unscale_ found no inf/NaN; update() then halves
-    # the scale after a skipped step and doubles it after 2000 clean ones.
+    # Steps only without inf/NaN; update() halves the scale then, doubles it after 2000 steps.
     scaler.step(optimizer)
     scaler.update()
     skipped = scaler.get_scale() < scale
@@ -103,14 +98,13 @@ def optimizer_step(model, optimizer, scaler, clip):
     return norm, skipped
 
 
-def evaluate(model, dataset, batch_size, device, amp_dtype):
-    """The mean cross-entropy per token over the whole held-out set, under autocast."""
+def evaluate(model, dataset, batch_size, device, autocast):
+    """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
-    # AMP: evaluate in the type you train in, so the number describes the model as it runs in
-    # training, 16-bit rounding included (no GradScaler: there is no backward).
-    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+    # AMP: evaluated under the training's autocast, 16-bit rounding included (no backward,
+    # no GradScaler)
     with torch.no_grad(), autocast:  # no graph, no activations kept: far less memory
         for x, y in loader:
             x, y = x.to(device), y.to(device)
@@ -124,27 +118,23 @@ def evaluate(model, dataset, batch_size, device, amp_dtype):
 
 def train(args, device):
     """Train; return the model, the final loss and the final validation loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
-    # The weights stay fp32 ("master weights"; fp64 with --fp64): autocast casts them to 16
-    # bits on the fly inside each op, so the optimizer's small updates are not rounded away.
+    # The weights stay fp32 ("master weights"): autocast casts them inside each op, on the fly.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- AMP: a GradScaler, for fp16 only ---
-    # fp16 has 5 exponent bits: below 6e-5 its numbers lose precision, and anything under 6e-8
-    # becomes 0. Gradients of deep or large models fall that low. Scaling the loss lifts them
-    # into range. bf16 has fp32's 8 exponent bits (it gives up mantissa instead): nothing
-    # underflows, no scaler. Disabled, the scaler is a no-op.
+    # fp16's 5 exponent bits round small gradients to 0 (under 6e-8): scaling the loss lifts
+    # them into range. bf16 has fp32's 8 exponent bits: no scaler (disabled, it does nothing).
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")
+    # Under autocast matmuls run in 16 bits; the device's op lists keep some ops in fp32
+    # (docs/traps.md#autocast). Forward only: backward runs each op in its forward's type.
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
+    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
     # --- end ---
     start_step = load_checkpoint(args, model, optimizer, scaler) if args.checkpoint else 0
 
@@ -170,20 +160,13 @@ def train(args, device):
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
             x, y = x.to(device), y.to(device)
-            # --- AMP: forward under autocast ---
-            # Inside, matmuls (Linear) run in the 16-bit type. Which ops autocast keeps in
-            # fp32 depends on the device's op lists: on CUDA, those that need range or add up
-            # many terms (softmax, layer_norm, sum, most losses); on the CPU with bf16, only a
-            # few (cross_entropy does; softmax, layer_norm and attention stay bf16). Only
-            # forward goes inside: backward runs each op in the type its forward used.
-            autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+            # --- AMP: forward under autocast, backward through the scaler ---
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"), autocast:
                 loss = loss_fn(model(x), y) / args.accum_steps
-            # scale(loss) multiplies by the current scale (fp16) or returns loss unchanged.
             with record_function("backward"):
-                scaler.scale(loss).backward()
+                scaler.scale(loss).backward()  # times the scale (fp16), else loss as it is
             # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
@@ -200,7 +183,7 @@ def train(args, device):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, args.batch_size, device, amp_dtype)
+                val_loss = evaluate(model, val_set, args.batch_size, device, autocast)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, scaler, step + 1)
@@ -214,12 +197,9 @@ def save_checkpoint(args, model, optimizer, scaler, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
-    # The scaler's state (its scale, growth tracker): fp16 does not resume without it.
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scaler": scaler.state_dict(), "dtype": args.dtype,
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64, "heads": args.heads},
-                args.checkpoint)
+                 "scaler": scaler.state_dict(), "dtype": args.dtype,  # fp16 resumes its scale
+                 **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
@@ -241,8 +221,7 @@ def load_checkpoint(args, model, optimizer, scaler):
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
         refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
-    if state.get("dtype") != args.dtype:
-        # A bf16 or fp32 run keeps no scaler state, which fp16 needs to go on.
+    if state.get("dtype") != args.dtype:  # bf16 and fp32 keep no scale for fp16 to go on
         refuse(f"written with --dtype {state.get('dtype')}, not {args.dtype}; "
                f"use --dtype {state.get('dtype')}")
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
@@ -251,13 +230,17 @@ def load_checkpoint(args, model, optimizer, scaler):
     return state["step"]
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run(args):
+    """What each process does: set up, train, save."""
     device = setup(args)
     model, _, _ = train(args, device)
     if args.save:
-        # fp32 weights: autocast never changed them, so they load like any other script's.
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run(args)  # in this one process (ddp.py starts one per device here)
 
 
 if __name__ == "__main__":

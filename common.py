@@ -3,12 +3,12 @@
 First the model and the data (read these: every script trains them); then, behind a banner,
 the plumbing (the flags every script shares and their checks, the per-block compile and
 checkpointing, how many GPUs a machine's ranks have, how a process becomes a rank and leaves
-the group, the one-line error, atomic saves, the checks that a checkpoint belongs to this run, the sharded
-checkpoint's folder and a loader for it that reads data and never code, the timer, the state
-count and the profiler); and the diagnostics (`python common.py`). Nothing here teaches
-DataParallel, DDP, mixed precision, sharding or pipelines: the technique lives in its own
-script, in plain sight, and each script's diff against the one before shows it. Importing this
-file does nothing but define things.
+the group, the one-line error, atomic saves, the checks that a checkpoint belongs to this
+run, the sharded checkpoint's folder and a loader for it that reads data and never code, the
+timer, the state count and the profiler); and the diagnostics (`python common.py`). Nothing
+here teaches DataParallel, DDP, mixed precision, sharding or pipelines: the technique lives in
+its own script, in plain sight, and each script's diff against the one before shows it.
+Importing this file does nothing but define things.
 """
 
 import argparse
@@ -228,6 +228,11 @@ def positive(kind):
     return parse
 
 
+def torch_older_than(major, minor):
+    """Whether this torch is older than major.minor."""
+    return tuple(int(v) for v in torch.__version__.split(".")[:2]) < (major, minor)
+
+
 def compile_problem(use_cuda, fp64=False):
     """Why --compile cannot work on this machine, as a one-line error, or None if it can.
 
@@ -244,7 +249,7 @@ def compile_problem(use_cuda, fp64=False):
                     "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
         # Measured: 2.10 and 2.12 crash in the first backward ("expected scalar type Double
         # but found Float" in the compiled causal attention's backward), 2.13 and 2.15 train.
-        if fp64 and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        if fp64 and torch_older_than(2, 13):
             return (f"--compile with --fp64 on the CPU: torch {torch.__version__}'s compiled "
                     "attention fails in backward in float64 (pytorch/pytorch#185539); use "
                     "torch 2.13 or later, or drop one of the two flags")
@@ -276,6 +281,7 @@ def shared_parser(doc, accum=True, sharded=False, ranks=False,
     folder of shards (fsdp.py, tp.py), not a file. ranks: a script that runs several ranks,
     with --backend, --nproc (helped by nproc_help) and --timeout."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.sharded = sharded
     groups = parser.groups = {title: parser.add_argument_group(title)
                               for title in ("training", "model", "hardware", "output")}
     train = groups["training"]
@@ -352,6 +358,10 @@ def check_shared_flags(parser, args, compile_check=True):
     if "nproc" not in args and args.batch_size % getattr(args, "accum_steps", 1):
         parser.error(f"--batch-size {args.batch_size} must be divisible by "
                      f"--accum-steps {args.accum_steps}; use a multiple of {args.accum_steps}")
+    if getattr(parser, "sharded", False) and not use_cuda and torch_older_than(2, 9):
+        # fsdp.py and tp.py's 2D: older ones sum FSDP's gradients over gloo, not average them
+        parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or later "
+                     "(older ones sum the gradients: docs/torch-versions.md); upgrade torch")
     if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
         parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
@@ -364,18 +374,25 @@ def check_shared_flags(parser, args, compile_check=True):
     return use_cuda
 
 
-def launch_world(parser, args, use_cuda, width=None, own_gpus=True):
+def launch_world(parser, args, use_cuda, width=None, own_gpus=True, data_parallel=True,
+                 stages=False):
     """(world size, ranks on this machine, GPUs on it) of a script that runs several ranks,
     with the checks every such script shares: torchrun's ranks, or --nproc workers (default: one per
     GPU, 2 on a CPU, or fewer where that many would not divide the batch, nor `width`: what TP
-    cuts); each rank's own GPU (own_gpus; ddp.py lets gloo ranks share one); and a --backend
-    that carries this device's tensors."""
+    cuts; stages: pipeline.py's, one stage per GPU, at most one per block); each rank's own GPU
+    (own_gpus; ddp.py lets gloo ranks share one); a --backend that carries this device's
+    tensors; and (data_parallel: every rank trains on its own shard of each batch, as in ddp.py
+    and fsdp.py) a batch the ranks' micro-batches divide."""
     gpus = machine_gpus() if use_cuda else 0
-    heads = f" (and --heads a multiple of {gpus})" if width is not None else ""
-    hint = (f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
-            f"{gpus * args.accum_steps}{heads} to use all")
-    world_size, local_world = ranks(
-        args, most_workers(gpus, args.batch_size, args.accum_steps, width), gpus, hint)
+    if stages:
+        default = min(gpus or 2, args.blocks)
+        hint = f"one stage per block; pass --blocks {gpus} to use all"
+    else:
+        default = most_workers(gpus, args.batch_size, args.accum_steps, width)
+        heads = f" (and --heads a multiple of {gpus})" if width is not None else ""
+        hint = (f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
+                f"{gpus * args.accum_steps}{heads} to use all")
+    world_size, local_world = ranks(args, default, gpus, hint)
     if own_gpus and use_cuda and local_world > gpus and "RANK" not in os.environ:
         # else setup() tells; DDP's fallback (gloo ranks sharing a GPU) does not carry over.
         parser.error(f"{local_world} ranks on this machine but {gpus} GPU(s): NCCL needs one "
@@ -384,7 +401,37 @@ def launch_world(parser, args, use_cuda, width=None, own_gpus=True):
     if own_gpus and args.backend not in ("auto", carrier):
         parser.error(f"--backend {args.backend}: {'GPU' if use_cuda else 'CPU'} tensors travel "
                      f"over {carrier} only; use --backend {carrier} (or auto)")
+    if not own_gpus and args.backend == "nccl" and (
+            not gpus or local_world > gpus and "RANK" not in os.environ):
+        parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} GPU(s); "
+                     "NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
+    if data_parallel:
+        check_batch(parser, args, world_size, f"world size {world_size}")
     return world_size, local_world, gpus
+
+
+def grid(parser, args, flag, world_size):
+    """The ranks as a grid of groups of `flag`'s size (--tp, --cp: all ranks by default, stored
+    back in args), refused in one line unless it divides the world size; the D = W/size groups
+    train on their own shards of every batch, which D x --accum-steps must divide. Returns D."""
+    name = flag.lstrip("-")
+    size = getattr(args, name) or world_size
+    setattr(args, name, size)
+    if world_size % size:
+        parser.error(f"{flag} {size} must divide the world size {world_size} (the ranks form "
+                     f"a grid of {name.upper()} groups); use a divisor of {world_size}")
+    check_batch(parser, args, world_size // size, f"the {world_size // size} "
+                f"{name.upper()} group(s)")
+    return world_size // size
+
+
+def check_batch(parser, args, groups, name):
+    """Refuse a --batch-size that `groups` data-parallel groups (each trains on its own shard
+    of every batch; `name` says what they are) x --accum-steps micro-batches do not divide."""
+    if args.batch_size % (groups * args.accum_steps):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by {name} x "
+                     f"--accum-steps {args.accum_steps}; "
+                     f"use a multiple of {groups * args.accum_steps}")
 
 
 # --- --compile and --activation-checkpointing: the same in every script (docs/compile.md).
@@ -469,6 +516,33 @@ def ranks(args, default, gpus, to_use_all):
     return args.nproc, args.nproc
 
 
+def rendezvous(args, device, script, who="ranks", gloo_fallback=False):
+    """The store the ranks meet in and the backend, for setup()'s init_process_group: every
+    distributed script's, and none of its technique. On a CPU: gloo. On GPUs: NCCL, which needs
+    a GPU of its own for every rank, told by the GPUs' UUIDs (gpu_sharers), not by counts;
+    ranks (or `who`: pipeline.py's stages) that share one stop in one line naming `script`,
+    before the group. gloo_fallback (ddp.py): they share it over gloo instead (or as
+    --backend says), slowly, said in one line."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
+    sharers = gpu_sharers(store, device) if device.type == "cuda" else 1
+    name = os.path.basename(script)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if gloo_fallback:
+        if args.backend != "auto" or sharers > 1:
+            backend = "gloo" if args.backend == "auto" else args.backend
+        if backend == "nccl" and sharers > 1:
+            fail(f"{name}: error: {sharers} ranks, one GPU: use --backend gloo")
+        if sharers > 1 and rank == 0:
+            # Host copies: a test setup; EXCLUSIVE_PROCESS GPUs refuse it
+            # (docs/traps.md#gloo-on-gpus).
+            print(f"{name[:-3]}: {sharers} ranks share a GPU over gloo: slow", flush=True)
+    elif sharers > 1:
+        fail(f"{name}: error: {sharers} {who} drive one GPU, and NCCL needs one GPU per "
+             f"{who[:-1]}: use fewer {who}")
+    return store, backend
+
+
 def rendezvous_store(rank, world_size, timeout_s):
     """The store the ranks meet in, for setup() to compare GPUs in and init_process_group to
     use. The launcher's (torchrun's agent, or launch() below), with keys of their own for every
@@ -544,6 +618,7 @@ def as_rank(run, args):
     """run(args) as one rank. A collective that gives up (a peer died, or never reached it
     within --timeout) ends the rank with one line, not a page of C++ frames: which rank, what
     gloo or NCCL said, and the two usual causes."""
+    quiet_known_warnings()  # two that torch prints on these correct runs (why: its docstring)
     try:
         run(args)
     except RuntimeError as e:  # torch.distributed.DistError is one
@@ -660,6 +735,14 @@ def unloadable(error):
     if "size mismatch" in text or "Missing key" in text:
         return "saved with another model size; use its --hidden and --blocks"
     return f"cannot be read ({type(error).__name__}); move it away or point elsewhere"
+
+
+def train_state(args, step):
+    """What a checkpoint holds besides the weights and the optimizer's state, for
+    check_resumable: the step, and what the data order and the model depend on (the data
+    position is a function of --seed, the step and --batch-size only)."""
+    return {"step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
+            "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads}
 
 
 def check_resumable(saved, args, refuse):
@@ -824,16 +907,27 @@ def _load_data_only(state, folder):
     dcp.load(state, storage_reader=reader, planner=DataOnlyPlanner())
 
 
-def ignore_fsdp_view_warning():
-    """Silence, in this process, exactly one warning: FSDP2's "FSDP2-wrapped module (...)
-    returned a view tensor ... can cause backward to fail or produce wrong gradients" (torch
-    2.13 and later, at the first forward). An in-place op on a module's output would skip the
-    backward hook FSDP registers on it. The root's output is the logits, a view (nn.Linear on
-    batch x sequence x hidden folds it into one matrix product and views the result back), and
-    nothing in these scripts writes into it in place: harmless here. fsdp.py and tp.py (2D)
-    call it where they call fully_shard."""
+def quiet_known_warnings():
+    """Silence, in this process, exactly two messages that torch prints on correct runs of
+    these scripts (every rank of every script calls it: as_rank), each harmless here:
+    - FSDP2's "FSDP2-wrapped module (...) returned a view tensor ... can cause backward to fail
+      or produce wrong gradients" (torch 2.13 and later, at the first forward; fsdp.py, and
+      tp.py in 2D). An in-place op on a module's output would skip the backward hook FSDP
+      registers on it. The root's output is the logits, a view (nn.Linear on batch x sequence
+      x hidden folds it into one matrix product and views the result back), and nothing here
+      writes into it in place.
+    - DTensor's "2 sequential all_reduce (or all_gather) operations will be performed. This is
+      suboptimal ... may give inconsistent results between ranks" (tp.py in 2D, once per rank):
+      clip_grad_norm_ sums the norm of a gradient sharded over "dp" and "tp" over one, then
+      the other (two all-reduces of one number each, where a flattened mesh, a private API
+      today, would make one), and --save gathers a weight cut by both in two all-gathers.
+      Every rank gets the same numbers all the same: an all-gather copies, and each all-reduce
+      gives its group one result, the groups of the second adding up equal inputs."""
+    import logging
     import warnings
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+        lambda record: "This is suboptimal" not in record.getMessage())
 
 
 def num_params(model):

@@ -77,40 +77,27 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import save_atomic, seed_everything, unloadable
-from common import SEQ_LEN  # what context parallelism cuts
-from common import gpu_sharers, launch, leave, rendezvous_store
-from common import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
+from common import save_atomic, seed_everything, train_state, unloadable
+from common import SEQ_LEN, grid, launch, launch_world, leave, positive, rendezvous
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
     hardware = parser.groups["hardware"]
-    hardware.add_argument("--cp", type=positive(int), default=None,
-                          help="ranks in each context-parallel group, each holding 1/CP of "
-                               "every sequence (default: all of them); fewer: data parallel "
-                               "across the groups")
+    hardware.add_argument("--cp", type=positive(int), default=None, help="ranks per context-"
+                          "parallel group, each with 1/CP of every sequence (default: all)")
     hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
-                          help="how attention reaches the other ranks' keys and values: "
-                               "all-gather them, or pass them round a ring")
+                          help="how attention reaches the other ranks' keys and values")
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here, a GPU each (common.launch_world)
-    world_size = launch_world(parser, args, use_cuda)[0]
-    args.cp = args.cp or world_size
-    if world_size % args.cp:
-        parser.error(f"--cp {args.cp} must divide the world size {world_size} (the ranks form "
-                     f"a grid of CP groups); use a divisor of {world_size}")
+    # torchrun's ranks, or the --nproc workers started here (common.py)
+    world_size = launch_world(parser, args, use_cuda, data_parallel=False)[0]
+    grid(parser, args, "--cp", world_size)  # --cp: all ranks by default; W/C groups
     if SEQ_LEN % (2 * args.cp):
-        parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp "
-                     f"equal chunks (each rank takes two); use a --cp that divides "
-                     f"{SEQ_LEN // 2}")
-    dp = world_size // args.cp  # CP groups: each trains on its own shard of every batch
-    if args.batch_size % (dp * args.accum_steps):
-        parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} CP "
-                     f"group(s) x --accum-steps {args.accum_steps}; "
-                     f"use a multiple of {dp * args.accum_steps}")
+        parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp equal"
+                     f" chunks (each rank takes two); use a --cp that divides {SEQ_LEN // 2}")
     return args
 
 
@@ -124,20 +111,14 @@ def setup(args):
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
         # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        # Before init_process_group: NCCL binds to the *current* device, and without this
-        # every rank would create its context and buffers on cuda:0.
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
         torch.cuda.set_device(device)
         # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
-    # NCCL wants a GPU of its own for every rank: told by UUIDs, not counts (common.py).
-    sharers = gpu_sharers(store, device) if use_cuda else 1
-    if sharers > 1:
-        fail(f"{os.path.basename(__file__)}: error: {sharers} ranks drive one GPU, and NCCL "
-             "needs one GPU per rank: use fewer ranks")
-    backend = "nccl" if use_cuda else "gloo"
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
@@ -148,35 +129,25 @@ def setup(args):
     return rank, world_size, device
 
 
-def evaluate(model, dataset, mesh, positions, batch_size, device):
-    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
-    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
+def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
+    """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
-    # --- CP: evaluate a shard on each CP group, each rank its pieces, then add the sums up ---
-    # Every rank of a CP group works on the same samples: shard by group ("dp"), not by rank.
-    rank, world_size = mesh.get_local_rank("dp"), mesh["dp"].size()
-    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
-    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
-    # (docs/traps.md#padding).
+    # --- CP: evaluate a shard on each CP group (rank: its "dp" rank), then add the sums up ---
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            x, y = x[:real], y[:real]  # the padded duplicates: left out
+            x, y = x[:real, positions].to(device), y[:real, positions].to(device)  # its tokens
             real -= len(x)
-            # This rank's tokens of each sequence, and their targets. Every forward is a
-            # collective now (attention exchanges K and V), so every rank runs as many: the
-            # padding keeps the counts equal, and a rank out of real samples forwards an empty
-            # batch, x[:0].
-            x, y = x[:, positions].to(device), y[:, positions].to(device)
+            # A CP forward is a collective: padded, every rank forwards as often.
             sums[0] += loss_fn(model(x, positions=positions.to(device)), y, reduction="sum")
             sums[1] += y.numel()
-    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
-    # shard like a 334-sample one and count the duplicates, and change with the number of
-    # ranks (pytorch/pytorch#25162). Over every rank: each holds tokens no other rank has
-    # (its pieces of its group's samples).
+    # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
+    # Over every rank: each holds tokens no other rank has.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     # --- end ---
     model.train()
@@ -186,9 +157,8 @@ def evaluate(model, dataset, mesh, positions, batch_size, device):
 # --- CP: which tokens a rank holds, and attention across the ranks ---
 def chunks_of(cp_rank, cp):
     """The two chunks (of 2 x cp, in sequence order) that rank `cp_rank` of a CP group holds:
-    an early one and its mirror image from the end, so every rank has the same attention work
-    under the causal mask (chunk i attends to i + 1 chunks, chunk 2C-1-i to 2C - i: 2C + 1 in
-    all, on every rank)."""
+    an early one and its mirror from the end, so every rank has the same causal attention work
+    (chunk i attends to i + 1 chunks, chunk 2C-1-i to 2C - i: 2C + 1 on every rank)."""
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
@@ -200,8 +170,7 @@ def token_positions(cp_rank, cp):
 
 class AllGather(torch.autograd.Function):
     """Every rank of `group`'s x, joined along the sequence (dim -2), in rank order. Backward:
-    each rank's x was read by every rank, so its gradient is the sum of their gradients for
-    it: a reduce-scatter, the all-gather's mirror image."""
+    every rank read each x, so its gradient is the sum of theirs: a reduce-scatter."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -228,8 +197,7 @@ def attend_allgather(q, k, v, group, positions, all_positions):
 
 
 class RingPass(torch.autograd.Function):
-    """Send x to the next rank of `group`'s ring; return what the previous one sent. Backward:
-    the gradient goes back the way x came (to the previous rank, from the next)."""
+    """Send x to the next rank of `group`'s ring, return the previous one's; backward: back."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -243,67 +211,58 @@ class RingPass(torch.autograd.Function):
 
 def pass_on(x, group, step):
     me, size = dist.get_rank(group), dist.get_world_size(group)
+    to, source = (dist.get_global_rank(group, (me + s) % size) for s in (step, -step))
     received = torch.empty_like(x)
     # Sends and receives together, so no rank waits for its receiver before it can receive.
-    for work in dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(group, (me + step) % size),
-                       group),
-            dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (me - step) % size),
-                       group)]):
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), to, group),
+                                        dist.P2POp(dist.irecv, received, source, group)]):
         work.wait()
     return received
 
 
 def block_attention(q, k, v, causal):
     """Attention of q over one block of keys: its output and each query's log-sum-exp of its
-    scores (which merge() needs to weigh it against the other blocks). In float32 at least,
-    as PyTorch's own context parallelism merges: from bf16 inputs a bf16 log-sum-exp would
-    round by up to 1/64, and merge() turns that into an error in every output."""
+    scores (for merge() to weigh it against the other blocks). In float32 at least, as
+    PyTorch's own merges: a bf16 log-sum-exp rounds by up to 1/64, an error in every output."""
     wide = torch.promote_types(q.dtype, torch.float32)
     q, k, v = q.to(wide), k.to(wide), v.to(wide)
     scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
     if causal:  # the query chunk itself: token t sees the chunk's tokens up to t
-        n = scores.shape[-1]
-        later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        later = torch.ones_like(scores, dtype=torch.bool).triu(1)
         scores = scores.masked_fill(later, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.exp(scores - lse) @ v, lse
 
 
 def merge(parts):
-    """One softmax over all the blocks, from each block's own: weigh each block's output by
-    exp(its log-sum-exp - the log-sum-exp of them all)."""
+    """One softmax over all the blocks: each one's output weighed by exp(its lse - all's lse)."""
     lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
     return sum(out * torch.exp(part_lse - lse) for out, part_lse in parts)
 
 
 def attend_ring(q, k, v, group):
-    """Causal attention of this rank's queries over every rank's keys and values, the blocks
-    passed round the ring."""
+    """Causal attention of this rank's queries over every rank's keys and values, by ring."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
-    mine = chunks_of(me, cp)
     queries = q.chunk(2, dim=-2)  # this rank's two chunks
     parts = ([], [])  # per query chunk: (output, log-sum-exp) over each key chunk it sees
     kv = torch.stack([k, v])  # one message for both
     for hop in range(cp):
         source = (me - hop) % cp  # whose tokens kv holds: this rank's own, then each other's
-        for query, q_chunk, part in zip(queries, mine, parts):
+        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):
             for key_value, k_chunk in zip(kv.chunk(2, dim=-2), chunks_of(source, cp)):
                 # A key chunk after the query chunk is masked whole: skip its work. (Half the
                 # chunk pairs; the load balance gives every rank the same number of them.)
                 if k_chunk <= q_chunk:
                     part.append(block_attention(query, *key_value, causal=k_chunk == q_chunk))
         if hop < cp - 1:
-            # Every rank passes its block on at every hop, whatever it skipped: its next rank
-            # needs the block, and a rank that skipped the exchange would leave the ring's
-            # sends unmatched (every rank waiting, until --timeout).
+            # Every rank passes its block on at every hop, whatever it skipped: a rank that
+            # skipped the exchange would leave the ring's sends unmatched (a hang to --timeout).
             kv = RingPass.apply(kv, group)
     return torch.cat([merge(part) for part in parts], dim=-2).to(q.dtype)  # as it came in
 
 
 def cut_sequences(model, mesh, method):
-    """Make each block's attention reach across mesh["cp"]; return this rank's token positions
-    (which tokens of each sequence it takes)."""
+    """Make each block's attention reach across mesh["cp"]; return this rank's tokens' positions."""
     group, cp_rank, cp = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh["cp"].size()
     positions = token_positions(cp_rank, cp)
     for block in model.blocks.values():
@@ -319,57 +278,42 @@ def cut_sequences(model, mesh, method):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the unwrapped model, the final loss (the ranks' mean) and val loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    """Train; return the model, the final loss and the final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
-    # Same seed on every rank: the replicas start alike (DDP would broadcast rank 0's anyway).
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
-    # --compile and --activation-checkpointing, per block, before DDP wraps the model: its
-    # gradient hooks then stay outside the compiled code (common.py, docs/compile.md)
+    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # --- CP: the ranks as a grid, each block's attention reaching across its CP group ---
-    # W/C rows ("dp") of C ranks ("cp"), row-major, so a CP group is C consecutive ranks, which
-    # torchrun places on one machine. On the device the tensors live on: without it, the mesh
-    # would go to the machine's accelerator, whatever --device says.
+    # On `device`: W/C rows ("dp") of C ranks ("cp"), row-major: a CP group on one machine.
     mesh = init_device_mesh(device.type, (world_size // args.cp, args.cp),
                             mesh_dim_names=("dp", "cp"))
     positions = cut_sequences(model, mesh, args.cp_method)  # on the CPU: they index batches
+    where = positions.to(device)  # and on the device, the position embedding's input
     # --- end ---
     # --- DDP: wrap the model ---
-    # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
-    # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
-    # communication overlaps the rest of backward. gradient_as_bucket_view makes each .grad a
-    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved;
-    # don't .detach_() such a .grad.
-    # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
-    # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
-    # Over every rank, CP's too: each rank's gradient is that of its own tokens' mean loss,
-    # and the mean of the W ranks' is the gradient of the batch's mean (each holds as many).
+    # The wrapper broadcasts rank 0's weights, then all-reduces (averages) each 25 MB bucket of
+    # gradients as soon as backward has produced it, overlapping the rest of backward.
+    # gradient_as_bucket_view: each .grad is a view into its bucket, not a copy of it.
+    # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average to
+    # the gradient of the batch's mean loss.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end ---
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    # (Every rank reads the same file into its replica: they stay identical.)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
-    # --- DDP, over the CP groups: shard the data ---
-    # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
-    # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
-    # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
-    # over the N ranks: the batch one device with batch B sees at step k, and with the N
-    # per-rank mean gradients averaged, the same update. drop_last: the same tail for any N | B.
-    # The ranks of one CP group take the same samples (their pieces of them): shard by group.
-    sampler = DistributedSampler(dataset, num_replicas=mesh["dp"].size(),
-                                 rank=mesh.get_local_rank("dp"), shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    micro_batch = args.batch_size // (mesh["dp"].size() * args.accum_steps)
+    # --- DDP: shard the data ---
+    # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
+    # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
+    # Over the CP groups ("dp"): a group's ranks take the same samples (their pieces of them).
+    dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    micro_batch = args.batch_size // (dp * args.accum_steps)
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
     # --- end ---
     steps_per_epoch = len(loader) // args.accum_steps
@@ -387,9 +331,7 @@ def train(args, rank, world_size, device):
         loss_sum = torch.zeros((), device=device, dtype=dtype)
         for micro in range(args.accum_steps):
             x, y = next(micro_batches)
-            # --- CP: this rank's pieces of the sequences, and their targets ---
-            x, y = x[:, positions].to(device), y[:, positions].to(device)
-            # --- end ---
+            x, y = x[:, positions].to(device), y[:, positions].to(device)  # CP: this rank's pieces
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             # --- DDP: accumulate gradients without communicating ---
@@ -398,18 +340,16 @@ def train(args, rank, world_size, device):
             last = micro == args.accum_steps - 1
             with contextlib.nullcontext() if last else ddp_model.no_sync():
                 with record_function("forward"):
-                    # Positions: where in its sequence each token of x is (the position
-                    # embedding's input), not 0, 1, ... on this rank.
-                    loss = loss_fn(ddp_model(x, positions=positions.to(device)),
-                                   y) / args.accum_steps
+                    # where in the sequence each token of x is (not 0, 1, ... on this rank)
+                    loss = loss_fn(ddp_model(x, positions=where), y) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
             # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            # --clip. Every replica holds the averaged gradient of the whole batch now: all
-            # ranks measure the same norm and clip alike (each clipping its own gradient before
-            # the average would part the replicas). Returns the norm before clipping.
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            # After the all-reduce: every replica measures the same norm and clips alike.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -418,24 +358,19 @@ def train(args, rank, world_size, device):
         profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            # A collective, so every rank must reach it at the same steps: the condition
-            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
-            # Over every rank, CP's too: rank 0's own loss is that of its pieces only (the
-            # first and the last of the sequence), not the batch's.
+            # A collective: every rank reaches it, at steps that depend on the step only.
+            # Over every rank, CP's too: rank 0's own loss is that of its pieces only.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, mesh, positions,
-                                    args.batch_size // mesh["dp"].size(), device)
+                val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size // dp, device,
+                                    positions)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # One writer: the replicas are identical. Nothing in the file depends on the world
-            # size or on --cp: saved on 4 ranks as dp 2 x cp 2, it resumes on 2 as cp 2, on 4
-            # as cp 4, or on one device with single.py.
+            # One writer (the replicas are identical), and a file that resumes on any world size
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
@@ -449,9 +384,7 @@ def save_checkpoint(args, model, optimizer, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64, "heads": args.heads},
-                args.checkpoint)
+                 **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
@@ -479,12 +412,11 @@ def load_checkpoint(args, model, optimizer):
 
 
 def run(args):
-    """What each worker process does: join, train, save, leave."""
+    """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
-        # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
-        # SimpleModel.load_state_dict(strict=True) would refuse those keys.
+        # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
     leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
 

@@ -71,29 +71,19 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, unloadable
-from common import gpu_sharers, launch, leave, rendezvous_store
-from common import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from common import save_atomic, seed_everything, train_state, unloadable
+from common import launch, launch_world, leave, rendezvous
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
-    hardware = parser.groups["hardware"]
-    hardware.add_argument("--zero1", action="store_true",
-                          help="ZeRO-1: each rank keeps and updates Adam's state for 1/N of the "
-                               "parameters (ZeroRedundancyOptimizer); same weights, less memory")
+    parser.groups["hardware"].add_argument("--zero1", action="store_true", help=(
+        "ZeRO-1: each rank keeps and steps Adam's state for 1/N of the weights; same weights"))
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here (common.launch_world). DDP lets
-    # gloo ranks share a GPU (setup() says so), so the one-GPU-per-rank check is its own:
-    world_size, local_world, gpus = launch_world(parser, args, use_cuda, own_gpus=False)
-    if args.backend == "nccl" and (not gpus or local_world > gpus and "RANK" not in os.environ):
-        parser.error(f"--backend nccl: {local_world} ranks on this machine but {gpus} GPU(s); "
-                     "NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
-    if args.batch_size % (world_size * args.accum_steps):
-        parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
-                     f"{world_size} x --accum-steps {args.accum_steps}; "
-                     f"use a multiple of {world_size * args.accum_steps}")
+    # torchrun's ranks, or the --nproc workers started here (common.py)
+    launch_world(parser, args, use_cuda, own_gpus=False)
     return args
 
 
@@ -107,41 +97,29 @@ def setup(args):
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
         # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        # Before init_process_group: NCCL binds to the *current* device, and without this
-        # every rank would create its context and buffers on cuda:0.
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
         torch.cuda.set_device(device)
         # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
-    # NCCL wants a GPU of its own for every rank: told by UUIDs, not counts (common.py).
-    sharers = gpu_sharers(store, device) if use_cuda else 1
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda and sharers == 1 else "gloo"
-    if backend == "nccl" and sharers > 1:
-        fail(f"{os.path.basename(__file__)}: error: {sharers} ranks, one GPU: use --backend gloo")
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__, gloo_fallback=True)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     print0(f"ddp: {world_size} ranks | backend {backend} | device {device.type} | "
            f"torch {torch.__version__}")
-    if sharers > 1:
-        # Host copies: a test setup; EXCLUSIVE_PROCESS GPUs refuse it (docs/traps.md#gloo-on-gpus).
-        print0(f"ddp: {sharers} ranks share a GPU over gloo: slow")
     return rank, world_size, device
 
 
 def evaluate(model, dataset, rank, world_size, batch_size, device):
-    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
-    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
+    """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- DDP: evaluate a shard on each rank, then add the sums up ---
-    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
-    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
-    # (docs/traps.md#padding).
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
@@ -150,13 +128,11 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # The unwrapped model: no DDP hook, so nothing collective hides in this forward
-            # (DDP's can broadcast buffers: a hang where the ranks' batch counts differ).
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch. The unwrapped model: no DDP hook, nothing collective inside.
             sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
-    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
-    # shard like a 334-sample one and count the duplicates, and change with the number of
-    # ranks (pytorch/pytorch#25162).
+    # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     # --- end ---
     model.train()
@@ -164,48 +140,31 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the unwrapped model, the final loss (the ranks' mean) and val loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    """Train; return the model, the final loss and the final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
-    # Same seed on every rank: the replicas start alike (DDP would broadcast rank 0's anyway).
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
-    # --compile and --activation-checkpointing, per block, before DDP wraps the model: its
-    # gradient hooks then stay outside the compiled code (common.py, docs/compile.md)
+    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DDP: wrap the model ---
-    # The wrapper broadcasts rank 0's weights and registers hooks that all-reduce (average)
-    # each bucket of gradients (bucket_cap_mb, 25 MB) as soon as backward has produced it, so
-    # communication overlaps the rest of backward. gradient_as_bucket_view makes each .grad a
-    # view into its bucket, not a copy: a copy less each way and a gradient's memory saved;
-    # don't .detach_() such a .grad.
-    # Compiled blocks (--compile, above) leave DDP's hooks outside the compiled code, so the
-    # buckets' all-reduces overlap backward as usual (compiling the wrapper: docs/compile.md).
+    # The wrapper broadcasts rank 0's weights, then all-reduces (averages) each 25 MB bucket of
+    # gradients as soon as backward has produced it, overlapping the rest of backward.
+    # gradient_as_bucket_view: each .grad is a view into its bucket, not a copy of it.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end ---
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if args.zero1:
-        # ZeRO-1: the parameters are dealt to the ranks, balanced by size; each rank's Adam
-        # holds and steps its own share only, then step() broadcasts every share from its owner:
-        # plain DDP's weights. Weights and gradients stay whole (DDP's all-reduce is as before).
+    if args.zero1:  # ZeRO-1: each rank steps Adam for 1/N of the weights (the docstring)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                             lr=args.lr)
-    # (Every rank reads the same file into its replica: they stay identical.)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- DDP: shard the data ---
-    # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
-    # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
-    # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
-    # over the N ranks: the batch one device with batch B sees at step k, and with the N
-    # per-rank mean gradients averaged, the same update. drop_last: the same tail for any N | B.
+    # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
+    # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
@@ -241,9 +200,9 @@ def train(args, rank, world_size, device):
             # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            # --clip. Every replica holds the averaged gradient of the whole batch now: all
-            # ranks measure the same norm and clip alike (each clipping its own gradient before
-            # the average would part the replicas). Returns the norm before clipping.
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            # After the all-reduce: every replica measures the same norm and clips alike.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -252,31 +211,23 @@ def train(args, rank, world_size, device):
         profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            # A collective, so every rank must reach it at the same steps: the condition
-            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            # A collective: every rank reaches it, at steps that depend on the step only.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, rank, world_size,
                                     args.batch_size // world_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # One writer: the replicas are identical. Nothing in the file depends on the world
-            # size: saved on 2 ranks, it resumes on 1 or 3 (elastic torchrun goes on with fewer).
-            if args.zero1:
-                # The moments are spread over the ranks: gather them on rank 0 first (a
-                # collective, timed in docs/memory.md): a plain Adam state_dict, as without it.
+            # One writer (the replicas are identical), and a file that resumes on any world size
+            if args.zero1:  # a plain Adam state: the ranks' shares gathered on rank 0
                 optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
-            if args.zero1:
-                # Written: drop rank 0's consolidated copy of every rank's moments, which would
-                # stay in its memory until the next checkpoint (no public call frees it; the
-                # attribute is the one consolidate_state_dict itself empties and refills).
+            if args.zero1:  # then drop rank 0's gathered copy (nothing public frees it)
                 optimizer._all_state_dicts.clear()
     profiler.stop()
     print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
@@ -289,9 +240,7 @@ def save_checkpoint(args, model, optimizer, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64, "heads": args.heads},
-                args.checkpoint)
+                 **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
@@ -315,20 +264,17 @@ def load_checkpoint(args, model, optimizer):
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        # Its load_state_dict also fills the wrapper's own `state` with a second copy of this
-        # rank's moments, on their device, that nothing reads: Adam's share held twice.
-        optimizer.state.clear()
+        optimizer.state.clear()  # its load_state_dict keeps a copy of them that nothing reads
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
 
 
 def run(args):
-    """What each worker process does: join, train, save, leave."""
+    """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
-        # The unwrapped model: DDP's own state_dict names every weight "module.<name>", and
-        # SimpleModel.load_state_dict(strict=True) would refuse those keys.
+        # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
     leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
 

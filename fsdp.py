@@ -80,38 +80,30 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import ignore_fsdp_view_warning, save_atomic, seed_everything
-from common import gpu_sharers, launch, leave, rendezvous_store
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
+from common import positive, save_atomic, seed_everything, train_state
+from common import launch, launch_world, leave, rendezvous
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
-from common import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, sharded=True, ranks=True)
     hardware = parser.groups["hardware"]
     hardware.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
-                          help="false: keep each block's gathered weights from forward to "
-                               "backward (one all-gather less per step, more memory)")
+                          help="false: keep the gathered weights for backward (less traffic)")
     hardware.add_argument("--replicate", type=positive(int), default=1, metavar="R",
                           help="HSDP: R replicas, each sharded over N/R ranks (default 1: FSDP)")
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here, a GPU each (common.launch_world)
+    # torchrun's ranks, or the --nproc workers started here (common.py)
     world_size = launch_world(parser, args, use_cuda)[0]
-    if not use_cuda and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
-        parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or later "
-                     "(older ones sum the gradients: docs/torch-versions.md); upgrade torch")
     if world_size % args.replicate:
         parser.error(f"--replicate {args.replicate} must divide the world size {world_size}")
     if args.fp64 and args.mixed_precision != "off":
         parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: drop one of them")
-    if args.batch_size % (world_size * args.accum_steps):
-        parser.error(f"--batch-size {args.batch_size} must be divisible by world size "
-                     f"{world_size} x --accum-steps {args.accum_steps}; "
-                     f"use a multiple of {world_size * args.accum_steps}")
     return args
 
 
@@ -125,20 +117,14 @@ def setup(args):
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
         # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        # Before init_process_group: NCCL binds to the *current* device, and without this
-        # every rank would create its context and buffers on cuda:0.
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
         torch.cuda.set_device(device)
         # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
-    # NCCL wants a GPU of its own for every rank: told by UUIDs, not counts (common.py).
-    sharers = gpu_sharers(store, device) if use_cuda else 1
-    if sharers > 1:
-        fail(f"{os.path.basename(__file__)}: error: {sharers} ranks drive one GPU, and NCCL "
-             "needs one GPU per rank: use fewer ranks")
-    backend = "nccl" if use_cuda else "gloo"
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
@@ -149,13 +135,11 @@ def setup(args):
 
 
 def evaluate(model, dataset, rank, world_size, batch_size, device):
-    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
-    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
+    """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- FSDP: evaluate a shard on each rank, then add the sums up ---
-    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
-    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
-    # (docs/traps.md#padding).
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
@@ -164,19 +148,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # Every forward of a sharded model is a collective (FSDP's blocks all-gather weights,
-            # TP's all-reduce outputs), so all ranks run as many: the padding keeps the counts
-            # equal, and a rank out of real samples forwards an empty batch, x[:0].
+            # A sharded forward is a collective: padded, every rank forwards as often
             sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
-    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
-    # shard like a 334-sample one and count the duplicates, and change with the number of
-    # ranks (pytorch/pytorch#25162).
+    # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # With --reshard-after-forward false every module keeps its gathered weights after
-    # forward, waiting for a backward that never comes here: free them. (By default nothing
-    # waits: fully_shard is told True for the root too, where None, its default, would keep the
-    # root's weights gathered until backward; reshard() then does nothing.)
+    # --reshard-after-forward false: free the weights kept for a backward that never comes
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -186,55 +163,37 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the sharded model, the final loss (the ranks' mean) and val loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    """Train; return the model, the final loss and the final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     # --- FSDP: build the model without memory, shard it, then fill the shards ---
-    # On the "meta" device a module has shapes but no storage: a model far bigger than one
-    # device costs nothing to build here.
+    # On the "meta" device a module has shapes but no storage: any size costs nothing here.
     with torch.device("meta"):
         model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
-    # --compile and --activation-checkpointing, per block, before fully_shard, so FSDP's
-    # all-gathers and reduce-scatters stay outside them (torchtitan's order; common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
-    # bf16: each block's weights are gathered and computed with in bf16; the gradients are
-    # reduce-scattered in the weights' dtype (a sum of N ranks' gradients in bf16 would round
-    # away the small ones). `dtype`, never torch.float32: that would reduce an --fp64 run's
-    # gradients in fp32, and it would part from one device like any fp32 run.
+    # --mixed-precision bf16: weights gathered and used in bf16; the gradients reduced and the
+    # output returned in `dtype` (a bf16 sum of N ranks' gradients rounds away the small ones).
     compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype)
-    # The ranks the shards are spread over, on the device the tensors live on (without mesh=,
-    # fully_shard picks the machine's accelerator, whatever --device says). --replicate R
-    # (HSDP): R rows of N/R ranks; each row shards ("shard": reduce-scatter, all-gather), and
-    # the R copies all-reduce their gradient shards ("replicate"), as DDP does.
+    # The ranks the shards are spread over, on `device` (else the machine's GPUs). --replicate R
+    # (HSDP): R rows of N/R ranks, each row sharded; the rows all-reduce like DDP replicas.
     mesh = init_device_mesh(device.type, (args.replicate, world_size // args.replicate),
                             mesh_dim_names=("replicate", "shard")) if args.replicate > 1 \
         else init_device_mesh(device.type, (world_size,))
-    keep = args.reshard_after_forward == "false"
-    # Each Block becomes one unit of communication: its weights are gathered just before it
-    # runs and freed right after, so a block is whole only around its own turn (in backward
-    # FSDP gathers the next one while the current one computes: two at a time). Blocks first,
-    # then the root (the rest: embeddings, final norm, head); the other order fails ("Invariant
-    # encountered: value was None"). Without the root, nobody averages the embeddings', the
-    # final norm's and the head's gradients: the ranks drift apart, silently.
+    keep = args.reshard_after_forward == "false"  # ZeRO-2-like: one all-gather less, more memory
+    # Each Block is one unit, all-gathered just before it runs and freed after: only the running
+    # block (and the next, prefetched) is whole. Blocks first, then the root (embeddings, final
+    # norm, head: without it, their gradients are never averaged, silently).
     for block in model.blocks.values():
-        # The knob that trades memory for speed (--reshard-after-forward false, ZeRO-2-like):
-        # keep the gathered weights from forward to backward, one all-gather less per step.
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not keep)
-    # The whole model's output goes back to the weights' dtype, so the loss is computed in it.
     fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=dtype, output_dtype=dtype))
-    ignore_fsdp_view_warning()  # the logits are a view, never written in place (common.py)
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
-    # the call cuts it up and sends every rank its shards: a collective, every rank calls it.
-    # (A model too big for rank 0's memory would be initialized shard by shard, or loaded.)
+    # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).
     full = {}
     if rank == 0:
         seed_everything(args.seed)
@@ -242,19 +201,15 @@ def train(args, rank, world_size, device):
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
     # After fully_shard, never before: it makes every parameter a sharded DTensor, and an
-    # optimizer built earlier would hold the old tensors, which get no gradients: silently,
-    # it would train nothing (measured: the weights never move).
+    # optimizer built earlier would hold the old tensors, which get no gradients: silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- FSDP: shard the data, as DDP does ---
-    # Every epoch, DistributedSampler draws one permutation of the dataset from seed + epoch
-    # (the same on every rank) and gives rank r the positions r, r+N, r+2N, ... of it. With
-    # B/N samples per rank, step k sees positions k*B .. k*B+B-1 of the permutation spread
-    # over the N ranks: the batch one device with batch B sees at step k, and with the N
-    # per-rank mean gradients averaged, the same update. drop_last: the same tail for any N | B.
+    # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
+    # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     micro_batch = args.batch_size // (world_size * args.accum_steps)
@@ -290,9 +245,9 @@ def train(args, rank, world_size, device):
             # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            # --clip. Each rank holds 1/N of every gradient (DTensor shards): clip_grad_norm_ adds
-            # their squares over the mesh (full_tensor() reads the norm). On p.grad.to_local(), as
-            # FSDP1-era code does, it gets ~1/sqrt(N) of it, per rank (pytorch/pytorch#170862).
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            # Of DTensor shards: their squares summed over the mesh, not ~1/sqrt(N) of it.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -301,14 +256,12 @@ def train(args, rank, world_size, device):
         profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            # A collective, so every rank must reach it at the same steps: the condition
-            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            # A collective: every rank reaches it, at steps that depend on the step only.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.full_tensor().item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, rank, world_size,
                                     args.batch_size // world_size, device)
@@ -325,24 +278,20 @@ def train(args, rank, world_size, device):
 def save_checkpoint(args, model, optimizer, rank, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
-    weights and Adam's state. DCP (torch.distributed.checkpoint) writes every rank's shards and
-    an index of where each piece lives; each rank of a later run, however many, reads the
-    pieces its own slices need."""
+    weights and Adam's state. DCP writes each rank's shards and an index of them: any number
+    of ranks can read it."""
     name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one (common.py)
-    # Sharded state dicts: this rank's slices (DTensors), keyed by the plain parameter names.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
              checkpoint_id=os.path.join(args.checkpoint, name))
     if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
-        commit_sharded(args.checkpoint, name, {
-            "step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
-            "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads})
+        commit_sharded(args.checkpoint, name, train_state(args, step))
 
 
 def load_checkpoint(args, model, optimizer):
     """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
-    start from (0 without one). A bad one stops every rank alike with one line, left as it was."""
+    start from (0 without one). A bad one stops with one line and is left as it was."""
     def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
@@ -362,13 +311,12 @@ def load_checkpoint(args, model, optimizer):
 
 
 def run(args):
-    """What each worker process does: join, train, save, leave."""
+    """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
     if args.save:
-        # Full tensors (model.state_dict() would hold this rank's DTensor slices, which a
-        # SimpleModel refuses), gathered by a collective every rank calls; cpu_offload: only
-        # rank 0 gets them, in CPU memory, so no device ever holds the whole model.
+        # Full tensors, not this rank's DTensor slices, gathered by a collective; cpu_offload:
+        # only rank 0 gets them, in CPU memory, so no device ever holds the whole model.
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
         if rank == 0:

@@ -75,38 +75,33 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
-from common import positive, print0, save_atomic, seed_everything, unloadable
-from common import gpu_sharers, launch, leave, machine_gpus, ranks, rendezvous_store
+from common import positive, print0, save_atomic, seed_everything, train_state, unloadable
+from common import launch, launch_world, leave, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def parse_args(argv=None):
-    parser = shared_parser(__doc__, accum=False, ranks=True, nproc_help=(
-        "stages to start without torchrun, one process each (default: one per GPU, or 2 on a "
-        "CPU); 1: model parallelism"))
+    parser = shared_parser(__doc__, accum=False, ranks=True)  # the flags every script shares
     pipe = parser.add_argument_group("pipeline")
-    pipe.add_argument("--stages", type=positive(int), default=None,
-                      help="stages of the one process of --nproc 1 (default: one per GPU, or "
-                           "2); with more ranks, every rank is a stage")
+    pipe.add_argument("--stages", type=positive(int), default=None, help="stages of --nproc 1 "
+                      "(model parallelism; default: one per GPU, or 2); else one per rank")
     pipe.add_argument("--microbatches", type=positive(int), default=None,
-                      help="micro-batches per step: the gradient accumulation of the pipeline "
-                           "(default 4)")
+                      help="micro-batches per step, the pipeline's accumulation (default 4)")
     pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
                       help="order of the micro-batches' forwards and backwards (default gpipe)")
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    gpus = machine_gpus() if use_cuda else 0
-    # torchrun's ranks, or the --nproc workers started here: by default one stage per GPU (2
-    # on a CPU), but never more stages than blocks: on 8 GPUs --blocks 4 makes 4 stages.
-    world_size, local_world = ranks(args, min(gpus or 2, args.blocks), gpus,
-                                    f"one stage per block; pass --blocks {gpus} to use all")
-    if world_size == 1:
-        # One process drives every stage (model parallelism): one per GPU, at least 2 (to
-        # show the cut), at most one per block. It runs the whole batch through the stages
-        # in turn: no micro-batches, no schedule, and a flag that asks for them is refused
-        # rather than ignored.
+    # torchrun's ranks, or the --nproc workers started here: a stage each (common.py)
+    world_size, _, gpus = launch_world(parser, args, use_cuda, data_parallel=False, stages=True)
+    check_stages(parser, args, world_size, gpus)
+    return args
+
+
+def check_stages(parser, args, world_size, gpus):
+    """One process driving every stage (model parallelism), or one stage per rank: its checks."""
+    if world_size == 1:  # no schedule to ask for
         for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule)):
             if value is not None:
                 parser.error(f"{flag}: one process (model parallelism) runs no pipeline "
@@ -116,29 +111,17 @@ def parse_args(argv=None):
         parser.error(f"--stages {args.stages}: with {world_size} ranks every rank is a stage; "
                      "drop --stages, or use --nproc 1 for stages in one process")
     else:
-        args.stages = world_size
-        args.microbatches, args.schedule = args.microbatches or 4, args.schedule or "gpipe"
-        if use_cuda and local_world > gpus and "RANK" not in os.environ:  # else setup() tells
-            # DDP's gloo fallback (ranks sharing a GPU) does not carry over: gloo sends and
-            # receives CPU tensors only, and a stage's activations live on its GPU.
-            parser.error(f"{local_world} stages on this machine but {gpus} GPU(s): each stage "
-                         "needs a GPU of its own; use fewer ranks or --device cpu")
-        carrier = "nccl" if use_cuda else "gloo"  # NCCL carries GPU tensors, gloo CPU ones
-        if args.backend not in ("auto", carrier):
-            parser.error(f"--backend {args.backend}: the stages send "
-                         f"{'GPU' if use_cuda else 'CPU'} tensors, which only {carrier} carries "
-                         f"here; use --backend {carrier} (or auto)")
+        args.stages, args.microbatches = world_size, args.microbatches or 4
+        args.schedule = args.schedule or "gpipe"
         if args.batch_size % args.microbatches:
             parser.error(f"--microbatches {args.microbatches} must divide --batch-size "
                          f"{args.batch_size} (micro-batches of equal size); pick a divisor")
         if args.schedule == "1f1b" and args.microbatches < world_size:
             parser.error(f"--schedule 1f1b needs --microbatches >= stages ({world_size}); "
                          f"use --microbatches {world_size} or more")
-    if args.stages > args.blocks:
-        # Every stage gets at least one block (embeddings on the first, the head on the last).
+    if args.stages > args.blocks:  # each stage holds a block (and the ends)
         parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
                      f"block; use --blocks {args.stages} or more, or fewer stages")
-    return args
 
 
 def setup(args):
@@ -152,20 +135,14 @@ def setup(args):
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
         # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        # Before init_process_group: NCCL binds to the *current* device, and without this
-        # every rank would create its context and buffers on cuda:0.
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
         torch.cuda.set_device(device)
         # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
-    # A GPU of its own for every stage: told by UUIDs, not counts (common.py).
-    sharers = gpu_sharers(store, device) if use_cuda else 1
-    if sharers > 1:
-        fail(f"{os.path.basename(__file__)}: error: {sharers} stages drive one GPU, and each "
-             "stage needs a GPU of its own: use fewer ranks or --device cpu")
-    backend = "nccl" if use_cuda else "gloo"  # the tensors the stages send live on `device`
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__, who="stages")
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
@@ -209,11 +186,8 @@ def cut(model, stage, stages):
 
 
 def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden, dtype):
-    """The mean cross-entropy per token over the whole held-out set, the same on every rank.
-
-    Forward only, stage by stage; with several ranks, every rank must call it (it sends,
-    receives and ends in a collective).
-    """
+    """The mean cross-entropy per token over the whole held-out set, the same on every rank
+    (a collective: forward only, stage by stage)."""
     for stage_module in stages:
         stage_module.eval()  # no dropout or BatchNorm here, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # every rank: the same batches, in order
@@ -225,10 +199,8 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden, dty
                     x = stage_module(x.to(device))
             else:
                 # --- Pipeline parallelism: forward only, activations handed on by hand ---
-                # The schedules drive training (and, in recent torch, a forward-only eval());
-                # plain send/recv works on every torch this file supports and shows what the
-                # schedule does underneath. No micro-batches: without backward there is
-                # nothing to overlap with, so the stages simply work one after the other.
+                # What a schedule does underneath, by plain send/recv. No micro-batches: with
+                # no backward to overlap with, the stages simply work one after the other.
                 device = devices[0]
                 if rank == 0:
                     x = x.to(device)
@@ -254,12 +226,8 @@ def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden, dty
 def train(args, rank, world_size, devices):
     """Train; return the full model's final weights (on rank 0, with --save), the final loss
     and the final validation loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
@@ -271,23 +239,17 @@ def train(args, rank, world_size, devices):
         # --- end ---
     else:
         stages = [cut(model, rank, world_size).to(devices[0])]  # this rank's stage only
-    # --compile and --activation-checkpointing, per block of this rank's stages, before
-    # PipelineStage takes them (common.py). Each micro-batch keeps its activations until its
-    # backward (GPipe: all m at once), so checkpointing saves once per micro-batch in flight.
+    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint([block for stage_module in stages
                             for block in stage_module.blocks.values()], args)
     if world_size > 1:
         # --- Pipeline parallelism: this rank's stage, and the schedule that drives it ---
         device = devices[0]
-        # PipelineStage knows its neighbours by stage index (rank - 1 and rank + 1). Left to
-        # itself it would infer the activation shapes from the first micro-batch, sending them
-        # between stages as pickled objects (docs/torch-versions.md: NumPy). Example input and
-        # output of one micro-batch (on "meta": shapes only, no memory) skip that. An input
-        # that requires grad is one whose gradient goes back to the previous stage. In the
-        # run's dtype: the stages size their send and receive buffers from these.
-        # Stage 0 takes token ids (micro-batch, sequence), integers with no gradient; the
-        # stages hand on activations (micro-batch, sequence, hidden); the last returns logits
-        # (micro-batch, sequence, VOCAB).
+        # PipelineStage knows its neighbours by stage index. Told one micro-batch's input and
+        # output (on "meta": shapes only; in the run's dtype, which sizes the buffers), it need
+        # not infer them by sending pickled objects between stages (docs/torch-versions.md).
+        # Stage 0 takes token ids; the stages hand on (micro-batch, sequence, hidden), whose
+        # gradient goes back (requires_grad); the last returns logits.
         shape = (args.batch_size // args.microbatches, SEQ_LEN)
         stage = PipelineStage(
             stages[0], rank, world_size, device,
@@ -295,11 +257,9 @@ def train(args, rank, world_size, devices):
             torch.empty(*shape, args.hidden, device="meta", dtype=dtype, requires_grad=True),
             output_args=torch.empty(*shape, VOCAB if rank == world_size - 1 else args.hidden,
                                     device="meta", dtype=dtype, requires_grad=True))
-        # loss_fn runs on the last stage, once per micro-batch, and returns that
-        # micro-batch's *mean* loss. Backward of M such losses adds up M mean gradients:
-        # M times the gradient of the whole batch. scale_grads=True (the default, spelled
-        # out here) divides the gradients by M after the last backward, so the optimizer
-        # sees exactly the gradient one device computes on the whole batch.
+        # loss_fn runs on the last stage, once per micro-batch, giving its *mean* loss: M such
+        # backwards add up to M times the batch's gradient. scale_grads=True (the default,
+        # spelled out) divides by M after the last backward: one device's gradient exactly.
         schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
                                             loss_fn=loss_fn, scale_grads=True)
         is_first, is_last = rank == 0, rank == world_size - 1
@@ -314,9 +274,8 @@ def train(args, rank, world_size, devices):
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
-    # Every rank walks through the same global batches (the first stage needs the inputs,
-    # the last the targets): each epoch's order is the permutation drawn from seed + epoch,
-    # the same one single.py draws and DistributedSampler draws in ddp.py.
+    # Every rank walks through the same global batches (the first stage needs the inputs, the
+    # last the targets), in single.py's order: the permutation drawn from seed + epoch.
     generator = torch.Generator()
     sampler = RandomSampler(dataset, generator=generator)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
@@ -345,8 +304,7 @@ def train(args, rank, world_size, devices):
             # --- end ---
         else:
             # --- Pipeline parallelism: one call runs the whole schedule ---
-            # The schedule cuts the batch into micro-batches, runs every forward and
-            # backward in its order, sending activations down and gradients up.
+            # Micro-batches, every forward and backward in the schedule's order, sent on.
             losses = []  # (the schedule marks each micro-batch's "Forward i", "Backward i")
             if is_first:
                 schedule.step(x.to(device))
@@ -359,10 +317,9 @@ def train(args, rank, world_size, devices):
                     else torch.zeros((), device=device, dtype=dtype))
             # --- end ---
         with record_function("optimizer step"):
-            # --clip. A stage holds only its own parameters, so its norm is of a part of the
-            # gradient: clip_grad_norm_ on it would clip every stage by its own factor. The
-            # whole norm: the stages' squared norms, added up over the pipeline (as torchtitan
-            # does); one process driving every stage has them all already.
+            # --clip. A stage's own norm is of a part of the gradient (clip_grad_norm_ on it
+            # would clip each stage by its own factor): the stages' squared norms, added up
+            # over the pipeline (as torchtitan does), make the whole one.
             params = [p for s in stages for p in s.parameters()]
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
             if world_size > 1:
@@ -390,9 +347,8 @@ def train(args, rank, world_size, devices):
                                     args.batch_size, args.hidden, dtype)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # Each stage holds a slice of the weights and of Adam's state: rank 0 gathers both
-            # and writes the file single.py writes, so it resumes on any number of stages
-            # (or in single.py, ddp.py...). Every rank takes part: it sends its slice.
+            # Every rank sends its slice of the weights and of Adam's state to rank 0, which
+            # writes single.py's file: it resumes on any number of stages, or in single.py.
             weights, adam = gather_full_state(model, stages, optimizer, rank, devices[0])
             if rank == 0:
                 save_checkpoint(args, weights, adam, step + 1)
@@ -404,13 +360,9 @@ def train(args, rank, world_size, devices):
 
 
 def gather_full_state(model, stages, optimizer, rank, device):
-    """The full model's state_dict and Adam's state_dict, as one device would have them, on
-    rank 0 (None, None on the other ranks, which send their slices to it).
-
-    Plain tensor sends, not gather_object (pickled objects): rank 0 built the full model too,
-    so it knows every slice's names and shapes. Adam's state is numbered by parameter
-    position; the stages hold consecutive runs of SimpleModel's parameters.
-    """
+    """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
+    None on the others, which send their slices). Plain tensor sends, not gather_object
+    (pickles): rank 0 built the full model too, so it knows every slice's names and shapes."""
     names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
     own = optimizer.state_dict()
     weights = {k: v for stage_module in stages for k, v in stage_module.state_dict().items()}
@@ -453,9 +405,7 @@ def save_checkpoint(args, weights, adam, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": weights, "optimizer": adam,
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64, "heads": args.heads},
-                args.checkpoint)
+                 **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
@@ -482,7 +432,7 @@ def load_checkpoint(args, model):
 
 
 def run(args):
-    """What each worker process does: join, train, save, leave."""
+    """What each process does: set up, train, save."""
     rank, world_size, devices = setup(args)
     weights, _, _ = train(args, rank, world_size, devices)
     if args.save and rank == 0:

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, unloadable
+from common import save_atomic, seed_everything, train_state, unloadable
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
@@ -84,12 +84,8 @@ def evaluate(model, dataset, batch_size, device):
 
 def train(args, device):
     """Train; return the model, the final loss and the final validation loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
@@ -158,9 +154,7 @@ def save_checkpoint(args, model, optimizer, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "step": step, "batch_size": args.batch_size, "seed": args.seed,
-                 "fp64": args.fp64, "heads": args.heads},
-                args.checkpoint)
+                 **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
@@ -187,12 +181,17 @@ def load_checkpoint(args, model, optimizer):
     return state["step"]
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run(args):
+    """What each process does: set up, train, save."""
     device = setup(args)
     model, _, _ = train(args, device)
     if args.save:
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run(args)  # in this one process (ddp.py starts one per device here)
 
 
 if __name__ == "__main__":

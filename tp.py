@@ -66,7 +66,6 @@ Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2
 import contextlib
 import datetime
 import itertools
-import math
 import os
 
 import torch
@@ -86,33 +85,28 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import SEQ_LEN, VOCAB  # what sequence and loss parallelism cut
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, positive, print0
-from common import ignore_fsdp_view_warning, save_atomic, seed_everything
-from common import gpu_sharers, launch, leave, rendezvous_store
+from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
+from common import positive, save_atomic, seed_everything, train_state
+from common import grid, launch, launch_world, leave, rendezvous
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
-from common import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, sharded=True, ranks=True)
     hardware = parser.groups["hardware"]
-    hardware.add_argument("--tp", type=positive(int), default=None,
-                          help="ranks in each tensor-parallel group (default: all of them, pure "
-                               "TP); fewer: 2D, FSDP across the groups")
-    hardware.add_argument("--sequence-parallel", action="store_true",
-                          help="also cut the norms' and the residual's activations along the "
-                               "sequence between the TP regions (SP)")
+    hardware.add_argument("--tp", type=positive(int), default=None, help="ranks per tensor-"
+                          "parallel group (default: all, pure TP); fewer: 2D, FSDP across them")
+    hardware.add_argument("--sequence-parallel", action="store_true", help="also cut the "
+                          "activations between the TP regions along the sequence (SP)")
     hardware.add_argument("--loss-parallel", action="store_true",
                           help="keep the logits cut over the vocabulary through the loss")
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here, a GPU each (common.launch_world);
-    # by default as many as divide the batch and --heads, which TP cuts.
-    world_size, local_world = launch_world(parser, args, use_cuda, width=args.heads)[:2]
-    args.tp = args.tp or world_size
-    if world_size % args.tp:
-        parser.error(f"--tp {args.tp} must divide the world size {world_size} (the ranks form "
-                     f"a grid of TP groups); use a divisor of {world_size}")
+    # torchrun's ranks, or the --nproc workers started here (common.py)
+    world_size, local_world = launch_world(parser, args, use_cuda, width=args.heads,
+                                             data_parallel=False)[:2]
+    grid(parser, args, "--tp", world_size)  # --tp: all ranks by default; W/T groups
     if args.heads % args.tp:
         parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
                      f"whole heads); use --heads {args.heads * args.tp} or another --tp")
@@ -122,17 +116,9 @@ def parse_args(argv=None):
     if args.loss_parallel and VOCAB % args.tp:
         parser.error(f"--loss-parallel: --tp {args.tp} must divide the vocabulary {VOCAB} (each "
                      f"rank keeps the logits of an equal part of it); use a divisor of it")
-    if local_world % args.tp:
-        # Ranks are numbered machine by machine, and a TP group is T consecutive ranks: it
-        # stays inside one machine only if the ranks per machine are a multiple of T.
-        parser.error(f"--tp {args.tp}: {local_world} ranks per machine is not a multiple of "
-                     f"it, so a TP group would span machines, where its four all-reduces per "
-                     f"block would wait on the network; use a --tp that divides {local_world}")
-    dp = world_size // args.tp  # TP groups: each trains on its own shard of every batch
-    if args.batch_size % (dp * args.accum_steps):
-        parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} TP "
-                     f"group(s) x --accum-steps {args.accum_steps}; "
-                     f"use a multiple of {dp * args.accum_steps}")
+    if local_world % args.tp:  # a TP group is T consecutive ranks, numbered machine by machine
+        parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would span "
+                     f"machines (all-reduces on the network); use a --tp dividing {local_world}")
     return args
 
 
@@ -146,20 +132,14 @@ def setup(args):
         # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
         # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        # Before init_process_group: NCCL binds to the *current* device, and without this
-        # every rank would create its context and buffers on cuda:0.
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
         torch.cuda.set_device(device)
         # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
-    # NCCL wants a GPU of its own for every rank: told by UUIDs, not counts (common.py).
-    sharers = gpu_sharers(store, device) if use_cuda else 1
-    if sharers > 1:
-        fail(f"{os.path.basename(__file__)}: error: {sharers} ranks drive one GPU, and NCCL "
-             "needs one GPU per rank: use fewer ranks")
-    backend = "nccl" if use_cuda else "gloo"
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
@@ -170,15 +150,12 @@ def setup(args):
 
 
 def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nullcontext):
-    """The mean cross-entropy per token over the whole held-out set, exactly. Every rank must
-    call it: it ends in a collective (rank 0 alone would hang, pytorch/pytorch#54059)."""
+    """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- TP: evaluate a shard on each TP group, then add the sums up ---
-    # Every rank of a TP group works on the same samples: shard by group ("dp"), not by rank.
     rank, world_size = mesh.get_local_rank("dp"), mesh["dp"].size()
-    # Without drop_last, DistributedSampler pads every rank's shard to the same length with
-    # duplicates at its end: a rank's real samples are its first len(range(rank, n, N))
-    # (docs/traps.md#padding).
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     real = len(range(rank, len(dataset), world_size))
@@ -187,20 +164,14 @@ def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nul
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # Every forward of a sharded model is a collective (FSDP's blocks all-gather weights,
-            # TP's all-reduce outputs), so all ranks run as many: the padding keeps the counts
-            # equal, and a rank out of real samples forwards an empty batch, x[:0].
+            # A sharded forward is a collective: padded, every rank forwards as often
             with cut_logits():
                 sums[0] += whole(loss_fn(model(x), y, reduction="sum"))
             sums[1] += y.numel()
-    # Sums and counts, not means: the average of per-rank means would weigh a 333-sample
-    # shard like a 334-sample one and count the duplicates, and change with the number of
-    # ranks (pytorch/pytorch#25162). Over the "dp" dimension only: the T ranks of a group
-    # hold the same sums, and adding them all up would count every sample T times.
+    # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
+    # Over "dp" only: the T ranks of a TP group work on the same samples, hold the same sums.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=mesh.get_group("dp"))
-    # 2D: FSDP's root keeps its gathered weights after forward (fully_shard's default,
-    # reshard_after_forward=None, for the root), expecting backward to need them soon; after
-    # evaluation no backward comes, so hand the memory back.
+    # 2D: free the weights FSDP's root keeps for a backward that never comes
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -210,62 +181,41 @@ def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nul
 
 
 def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
-    """Cut each Block over mesh["tp"]; with several TP groups, shard over mesh["dp"] (2D).
-    sequence_parallel: the activations between the TP regions cut along the sequence (SP);
-    vocab_parallel: the output layer cut over the vocabulary, its logits left cut."""
+    """Cut each Block over mesh["tp"] (and the activations between them along the sequence:
+    sequence_parallel; the head over the vocabulary: vocab_parallel); 2D: shard over "dp"."""
     # --- TP: cut each block's attention by heads and its MLP by inner units ---
-    # ColwiseParallel makes a weight (out x in) a DTensor sharded by rows of the weight, i.e.
-    # by output column of x @ W.T: Shard(0), 1/T of the outputs per rank, bias too. It takes
-    # the whole input (replicated) and leaves its output sharded along the last dimension,
-    # which is exactly what RowwiseParallel expects as input: its weight is sharded by input
-    # columns (Shard(1)), each rank computes a partial sum, and one all-reduce in forward makes
-    # the output whole (its backward all-reduces the gradient of the block's input).
-    # Attention: q, k and v by columns, so rank r holds heads r*H/T .. (r+1)*H/T - 1 of each,
-    # whole (hence --heads divisible by --tp), and attention runs per head with no
-    # communication; `o` by rows. The MLP: `up` by columns, `down` by rows; the GELU between
-    # them is elementwise. The norms, the embeddings and the head stay whole on every rank of
-    # the group (replicated): norms act on whole tokens, and the rest is small here.
+    # ColwiseParallel cuts a weight by output features: its output, cut, is what
+    # RowwiseParallel (cut by input features) takes, adding up its partial sums in one
+    # all-reduce. q, k, v by columns (whole heads: --tp divides --heads), `o` by rows; `up` by
+    # columns, `down` by rows (GELU acts elementwise). The norms, embeddings and head stay whole.
     # --- SP: between the TP regions, each rank keeps 1/T of the sequence ---
-    # Outside attention and the MLP (the norms, the residual sums) every rank of a TP group
-    # would hold and compute the same whole activations. With SP they are cut along the
-    # sequence (Shard(1) of batch x sequence x hidden): each rank normalizes and adds up its
-    # 1/T of the tokens. A region's all-reduce becomes a reduce-scatter (`o` and `down` leave
-    # their sums cut along the sequence) and an all-gather before the next region (q, k, v and
-    # `up` need every token): together the bytes of the all-reduce they replace. The ends add
-    # an all-gather each (below), and the norms' activations shrink to 1/T.
+    # The norms and the residual sums, computed alike on every rank of a group, cut along the
+    # sequence instead: a region's all-reduce becomes a reduce-scatter after it and an
+    # all-gather before the next (the same bytes), and those activations shrink to 1/T.
     between = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks.values():
         plan = {
-            # The attention's input, made a (replicated) DTensor once, before q, k and v take
-            # it: their three input gradients then add up as one partial sum and backward
-            # all-reduces it once, not once per projection (3 all-reduces where 1 will do).
+            # The attention's input made a DTensor once, before q, k and v: backward then
+            # all-reduces their three input gradients as one sum (not three all-reduces).
             "attn": PrepareModuleInput(input_layouts=between, desired_input_layouts=Replicate()),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=between),
             "up": ColwiseParallel(input_layouts=between),
             "down": RowwiseParallel(output_layouts=between)}
         if sequence_parallel:
-            # The norms' weights stay whole (replicated DTensors) but see 1/T of the tokens:
-            # under SequenceParallel their gradients come out as partial sums (Partial()),
-            # which train() adds up over the group (sum_partial_grads). Left out of the plan,
-            # each rank would step its norms with the gradient of its own tokens only, and the
-            # copies would drift apart (the bug zoo).
+            # The norms see 1/T of the tokens: their gradients are Partial() sums (train()
+            # adds them up); left out, each rank's norms would drift apart on its own tokens.
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
         parallelize_module(block, mesh["tp"], plan)
-        # The attention splits q, k, v into `heads` heads; each rank now holds H/T of them.
-        # Left at H, it would cut each rank's slice into H heads of 1/T the width: shapes
-        # that fit, and attention over the wrong numbers, silently (the bug zoo).
+        # Each rank holds H/T heads now; left at H, attention would cut its slice into H
+        # heads of 1/T the width: shapes that fit, over the wrong numbers, silently.
         block.attn.heads //= mesh["tp"].size()
-    # The ends of the stack: with SP the first block takes its part of the sequence (a slice,
-    # no communication; backward all-gathers the embeddings' gradient), and the final norm
-    # works on the parts. The output layer: whole on every rank from the whole sequence, or,
-    # cut over the vocabulary (loss parallelism), each rank computes the logits of 1/T of the
-    # vocabulary and keeps them cut: the cross-entropy then runs on the pieces (train).
+    # The ends: with SP the first block takes its part of the sequence, the final norm works on
+    # parts; loss parallelism cuts the head over the vocabulary and leaves its logits cut.
     ends = {}
     if sequence_parallel:
         ends["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
-                                              desired_input_layouts=Shard(1),
-                                              use_local_output=True)
+                                              desired_input_layouts=Shard(1), use_local_output=True)
         ends["norm"] = SequenceParallel()
     if vocab_parallel:
         ends["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
@@ -276,12 +226,8 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
                                             use_local_output=True)
     if ends:
         parallelize_module(model, mesh["tp"], ends)
-    # What TP leaves whole (the embeddings, the norms without SP, the head without loss
-    # parallelism) becomes a replicated DTensor all the same, its forward still taking and
-    # giving plain tensors: the optimizer and clipping then see one kind of tensor. Left plain
-    # beside DTensors, Adam's foreach path (CUDA's default) fails at its first step: "got
-    # mixed torch.Tensor and DTensor". Its gradient needs no communication: every rank of the
-    # group computes the same one.
+    # What TP leaves whole becomes a replicated DTensor too (taking and giving plain tensors):
+    # beside DTensors a plain one stops Adam's foreach path, "got mixed torch.Tensor and DTensor".
     def replicated(_, inputs, tp_mesh):
         return tuple(x if isinstance(x, DTensor) else
                      DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False) for x in inputs)
@@ -292,58 +238,43 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False):
                               output_fn=lambda _, output, tp_mesh: output.to_local())
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
-    # TP first, then fully_shard: FSDP then shards the TP pieces further, over "dp" (each rank
-    # holds 1/(D*T) of a block). The other order fails: fully_shard has already made every
-    # parameter a DTensor on "dp", and parallelize_module stops with "ValueError: Cannot
-    # distribute a DTensor with device mesh DeviceMesh((dp=2), ...) to a different device
-    # mesh". Blocks, then the root, as in fsdp.py.
+    # TP first, then fully_shard cuts the pieces over "dp" (1/(D*T) of a block per rank); the
+    # other order fails ("Cannot distribute a DTensor with device mesh ..."). Blocks, then root.
     if mesh["dp"].size() > 1:
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-        ignore_fsdp_view_warning()  # the logits are a view, never written in place (common.py)
     return model
 
 
 def train(args, rank, world_size, device):
-    """Train; return the sharded model, the final loss (the ranks' mean) and val loss."""
-    # --fp64: every tensor in float64. In fp32 another summation order (ranks, micro-batches,
-    # stages, TP's partial sums) moves the last bits, and Adam, which divides each gradient
-    # entry by its own size, makes that visible within some steps (docs/drift.md); in float64
-    # a correct strategy stays within 1e-9 of one device (rounding: ~1e-13), so any gap is a
-    # bug. Built (and the data drawn) in fp32, then cast: an fp64 run starts from exactly the
-    # fp32 run's numbers.
+    """Train; return the model, the final loss and the final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     # --- TP: build the model without memory, cut it (and shard it), then fill the pieces ---
-    # On the "meta" device a module has shapes but no storage: a model far bigger than one
-    # device costs nothing to build here.
+    # On the "meta" device a module has shapes but no storage: any size costs nothing here.
     with torch.device("meta"):
         model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
-    # --compile and --activation-checkpointing, per block, before TP and fully_shard (common.py).
-    # FSDP's all-gathers and reduce-scatters stay outside them (torchtitan's order); TP's
-    # all-reduces are hooks on `up` and `down`, which the forward calls: they run inside it.
+    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
-    # The ranks as a grid with named dimensions: W/T rows ("dp") of T ranks ("tp"), row-major,
-    # so a TP group is T consecutive ranks, which torchrun places on one machine. On the
-    # device the tensors live on: without it, the mesh would go to the machine's accelerator,
-    # whatever --device says.
+    # The ranks as a grid on `device`: W/T rows ("dp") of T ranks ("tp"), row-major, so a TP
+    # group is T consecutive ranks, which torchrun places on one machine.
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
     parallelize(model, mesh, args.sequence_parallel, args.loss_parallel)
     # Storage for this rank's shards only (uninitialized), on its device.
     model.to_empty(device=device)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
-    # the call cuts it up and sends every rank its shards: a collective, every rank calls it.
-    # (A model too big for rank 0's memory would be initialized shard by shard, or loaded.)
+    # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).
     full = {}
     if rank == 0:
         seed_everything(args.seed)
         full = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-    # After parallelize, never before: it replaces each block's parameters with a sharded
-    # DTensor, so an optimizer built earlier would hold the old tensors, which no longer get
-    # gradients. The blocks would train nothing, silently.
+    # After parallelize, never before: it makes every parameter a sharded DTensor, and an
+    # optimizer built earlier would hold the old tensors, which get no gradients: silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
@@ -351,11 +282,8 @@ def train(args, rank, world_size, device):
     cut_logits = loss_parallel if args.loss_parallel else contextlib.nullcontext
     dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
     # --- TP: shard the data by TP group, not by rank ---
-    # Every rank of a TP group must see the same micro-batch: each computes its slice of the
-    # inner units of the same samples, and the all-reduce adds the slices up. Fed by rank, the
-    # ranks would compute slices of different samples, and the all-reduce would add those up:
-    # wrong numbers, silently (tests/test_tp.py measures it). So DistributedSampler deals the
-    # batch over the D = W/T groups ("dp"), B/D samples each, as DDP deals it over ranks.
+    # A TP group's ranks compute slices of the same samples (fed by rank, the all-reduces
+    # would add up slices of different ones): the batch is dealt over the D = W/T groups.
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
@@ -381,17 +309,14 @@ def train(args, rank, world_size, device):
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             # --- TP: accumulate gradients ---
-            # TP's all-reduces carry activations, needed by every micro-batch. Only 2D has
-            # gradients to synchronize (FSDP's, across the groups): skip that until the last.
+            # TP's all-reduces carry activations, needed by every micro-batch; 2D's FSDP
+            # skips its reduce-scatter until the last, as fsdp.py does.
             last = micro == args.accum_steps - 1
             if dp > 1:
                 model.set_requires_gradient_sync(last)
             # --- Loss parallelism: the loss and its backward run on the cut logits ---
-            # Under loss_parallel() the cross-entropy takes logits cut over the vocabulary:
-            # all-reduces of one number per token (the maximum, the sum of exponentials, the
-            # target's logit) make it from the pieces; no rank ever holds the whole (batch x
-            # sequence x vocabulary) logits, nor their gradient, which backward also computes
-            # in pieces (so it must run in the context too).
+            # loss_parallel(): the cross-entropy of logits cut over the vocabulary, from
+            # all-reduces of one number per token; backward, in pieces too, runs inside it.
             with cut_logits():
                 with record_function("forward"):
                     loss = loss_fn(model(x), y) / args.accum_steps
@@ -402,23 +327,23 @@ def train(args, rank, world_size, device):
         with record_function("optimizer step"):
             # --- SP: the norms' gradients, added up over the TP group once per step ---
             sum_partial_grads(model)
-            # --clip: to the norm of the whole gradient, every rank's pieces together, in
-            # one all-reduce (clip_grad_norm, below). Returns the norm.
-            grad_norm = clip_grad_norm(model.parameters(), args.clip or float("inf"))
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            # Of DTensor shards: their squares summed over the mesh, not ~1/sqrt(N) of it.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
         profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            # A collective, so every rank must reach it at the same steps: the condition
-            # depends only on the step. Printing is rank 0's job; averaging is everybody's.
+            # A collective: every rank reaches it, at steps that depend on the step only.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             final_loss = loss_sum.item()
-            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.full_tensor().item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            # every rank, at the same steps: it is a collective
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(model, val_set, mesh, args.batch_size // dp, device,
                                     cut_logits)
@@ -433,17 +358,14 @@ def train(args, rank, world_size, device):
 
 
 def whole(loss):
-    """A loss as a plain tensor: under loss_parallel() it is a replicated DTensor (the same on
-    every rank of the group)."""
+    """A loss as a plain tensor (under loss_parallel() it is a replicated DTensor)."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def sum_partial_grads(model):
-    """SP: add up the norms' gradients over the TP group, all in one all-reduce. A norm sees
-    1/T of the tokens, so its gradient on each rank is a partial sum (a Partial() DTensor);
-    left so, each reader (clipping, each of Adam's ops) would add it up again, one small
-    all-reduce per tensor per op. Megatron-LM sums them once, flattened, as here. (2D: FSDP's
-    backward has already summed them, one all-reduce per parameter.)"""
+    """SP: add up the norms' partial gradients over the TP group in one all-reduce, as
+    Megatron-LM does; left Partial(), every reader (clipping, each of Adam's ops) would
+    all-reduce each again. (2D: FSDP's backward has summed them already.)"""
     partial = [p for p in model.parameters()
                if p.grad is not None and any(pl.is_partial() for pl in p.grad.placements)]
     if partial:
@@ -454,47 +376,23 @@ def sum_partial_grads(model):
             p.grad = DTensor.from_local(summed.view(p.shape), mesh, [Replicate()])
 
 
-def clip_grad_norm(parameters, max_norm):
-    """clip_grad_norm_ for TP and 2D: clip to the whole gradient's norm; return that norm.
-    Each rank adds up the squares of its pieces of every gradient (a DTensor: parallelize),
-    counting a piece that N ranks hold alike (Replicate) 1/N times; one all-reduce over all
-    ranks adds those up. (torch's clip_grad_norm_ reduces each mesh dimension in turn: two
-    all-reduces in 2D, and a warning.) Then every piece is scaled by clip_grad_norm_'s factor.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    squares = torch.zeros((), dtype=grads[0].dtype, device=grads[0].device)
-    for g in grads:
-        copies = [g.device_mesh.size(d) for d, pl in enumerate(g.placements) if pl.is_replicate()]
-        squares += g.to_local().pow(2).sum() / math.prod(copies)
-    dist.all_reduce(squares)  # the mesh is every rank
-    total = squares.sqrt()
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(factor)
-    return total
-
-
 def save_checkpoint(args, model, optimizer, rank, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
-    weights and Adam's state. DCP (torch.distributed.checkpoint) writes every rank's shards and
-    an index of where each piece lives; each rank of a later run, however many, reads the
-    pieces its own slices need."""
+    weights and Adam's state. DCP writes each rank's shards and an index of them: any number
+    of ranks can read it."""
     name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one (common.py)
-    # Sharded state dicts: this rank's slices (DTensors), keyed by the plain parameter names.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
              checkpoint_id=os.path.join(args.checkpoint, name))
     if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
-        commit_sharded(args.checkpoint, name, {
-            "step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
-            "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads})
+        commit_sharded(args.checkpoint, name, train_state(args, step))
 
 
 def load_checkpoint(args, model, optimizer):
     """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
-    start from (0 without one). A bad one stops every rank alike with one line, left as it was."""
+    start from (0 without one). A bad one stops with one line and is left as it was."""
     def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
@@ -514,13 +412,12 @@ def load_checkpoint(args, model, optimizer):
 
 
 def run(args):
-    """What each worker process does: join, train, save, leave."""
+    """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
     if args.save:
-        # Full tensors (model.state_dict() would hold this rank's DTensor slices, which a
-        # SimpleModel refuses), gathered by a collective every rank calls; cpu_offload: only
-        # rank 0 gets them, in CPU memory, so no device ever holds the whole model.
+        # Full tensors, not this rank's DTensor slices, gathered by a collective; cpu_offload:
+        # only rank 0 gets them, in CPU memory, so no device ever holds the whole model.
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
         if rank == 0:

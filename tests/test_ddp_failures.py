@@ -158,7 +158,7 @@ DISTRIBUTED_BAD_FLAGS = [
     *[("ddp", f, m) for f, m in DISTRIBUTED_BAD_FLAGS],
     ("pipeline", ["--backend=mpi"], "--backend: invalid choice: 'mpi'"),
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
-    ("pipeline", ["--backend=nccl", "--device=cpu"], "stages send CPU tensors, which only gloo"),
+    ("pipeline", ["--backend=nccl", "--device=cpu"], "CPU tensors travel over gloo only"),
     ("fsdp", ["--replicate=3"], "--replicate 3 must divide the world size 2"),
     *[(script, ["--checkpoint=/no/such/c.pt"], "--checkpoint /no/such/c.pt: its folder")
       for script in ("single", "ddp", "amp", "pipeline")],

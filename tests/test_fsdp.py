@@ -322,10 +322,12 @@ def test_fsdp_bf16_on_gpu_trains_to_the_fp32_loss(reference):
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
 
 
-def test_torch_older_than_2_9_is_refused_on_cpu(as_torchrun, capsys, monkeypatch):
+@pytest.mark.parametrize("script", ["fsdp", "tp"])
+def test_torch_older_than_2_9_is_refused_on_cpu(script, as_torchrun, capsys, monkeypatch):
     """On torch 2.7 and 2.8 FSDP2 over gloo sums the gradients instead of averaging them: this
-    suite measured a 1.3e-3 weight difference from the oracle there, on every rank count."""
+    suite measured a 1.3e-3 weight difference from the oracle there, on every rank count.
+    tp.py's 2D shards with FSDP too."""
     monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
     as_torchrun(2)
-    refused_in_one_line("fsdp", ["--device=cpu"], "FSDP on CPU (gloo) needs torch 2.9 or later",
+    refused_in_one_line(script, ["--device=cpu"], "FSDP on CPU (gloo) needs torch 2.9 or later",
                         capsys)

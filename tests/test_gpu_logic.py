@@ -214,7 +214,7 @@ def machine_of(fake_gpus, monkeypatch):
                             lambda device: types.SimpleNamespace(uuid=uuids[0]))
         store = dist.HashStore()
         store.set_timeout(datetime.timedelta(seconds=30))
-        monkeypatch.setattr(module, "rendezvous_store", lambda *args: store)
+        monkeypatch.setattr(common, "rendezvous_store", lambda *args: store)
         pool = concurrent.futures.ThreadPoolExecutor(n - 1)
         for r in range(1, n):
             pool.submit(common.sharing, store, r, n, uuids[r])

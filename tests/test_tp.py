@@ -15,7 +15,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      max_diff, needs_cuda, refused_in_one_line, run_as_only_rank, succeeded,
+                      max_diff, needs_cuda, ok, refused_in_one_line, run_as_only_rank, succeeded,
                       summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -60,6 +60,17 @@ def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, refere
     assert summary_val_loss(out) == pytest.approx(reference_val, abs=FP32_VAL_TOL)
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], abs=1e-5)
     assert_norms_are_the_oracles(out, reference[3])  # shards and whole layers, one norm
+
+
+def test_a_clipped_2d_run_says_nothing_that_sounds_like_a_bug(runs):
+    """torch's clip_grad_norm_ sums a 2D gradient's norm over "dp", then "tp", and DTensor logs
+    on every rank that this is "suboptimal" and "may give inconsistent results between ranks";
+    common.quiet_known_warnings says why it cannot here, and silences it."""
+    result, _ = runs["fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam"]
+    ok(result)
+    noise = [line for line in (result.stdout + result.stderr).splitlines()
+             if re.search(r"Warning|suboptimal|^\[rank\d+\]:W", line)]
+    assert not noise, noise
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
@@ -181,7 +192,7 @@ def step_collectives(mesh, blocks, sp, lp):
         with loss_parallel() if lp else contextlib.nullcontext():
             loss_fn(model(x), x).backward()
         tp_script.sum_partial_grads(model)
-        tp_script.clip_grad_norm(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     counts = {}
     for op, n in comm.get_comm_counts().items():
@@ -202,7 +213,8 @@ def test_one_training_step_makes_exactly_the_theorys_collectives(dp, sp, lp, blo
     output layer and one of the embeddings' gradient; its norms' partial gradients are added
     up once, in one all-reduce. Loss parallelism: 3 all-reduces of one number per token in the
     cross-entropy, and the output layer's input gradient reduce-scattered (with SP) or
-    all-reduced. Clipping: one all-reduce. Adam: none. 2D adds FSDP's all-gathers (each block
+    all-reduced. Clipping (torch's clip_grad_norm_ on the DTensors): one all-reduce of the
+    squares, or in 2D two, over "dp" then "tp". Adam: none. 2D adds FSDP's all-gathers (each block
     and the root in forward, each block again in backward) and reduce-scatters (each block
     and the root); with SP, FSDP adds up each norm parameter's gradient over TP itself, one
     all-reduce each (a weight and a bias per norm, 2 norms per block and the final one)."""
@@ -212,11 +224,11 @@ def test_one_training_step_makes_exactly_the_theorys_collectives(dp, sp, lp, blo
         (1, True, False): {"reduce-scatter": 4 * b, "all-gather": 4 * b + 2, "all-reduce": 2},
         (1, True, True): {"reduce-scatter": 4 * b + 1, "all-gather": 4 * b + 2,
                           "all-reduce": 3 + 2},
-        (2, False, False): {"all-reduce": 4 * b + 1, "all-gather": 2 * b + 1,
+        (2, False, False): {"all-reduce": 4 * b + 2, "all-gather": 2 * b + 1,
                             "reduce-scatter": b + 1},
         (2, True, True): {"reduce-scatter": 4 * b + 1 + b + 1,
                           "all-gather": 4 * b + 2 + 2 * b + 1,
-                          "all-reduce": 3 + 2 * (2 * b + 1) + 1}}
+                          "all-reduce": 3 + 2 * (2 * b + 1) + 2}}
     assert step_collectives(fake_group(dp, 2), blocks, sp, lp) == theory[dp, sp, lp]
 
 

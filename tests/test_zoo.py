@@ -103,10 +103,10 @@ MISTAKES = {
         "    # --- end ---\n",
         "    # --- end ---\n"), (
         "    for block in model.blocks.values():\n"
-        "        # The knob that trades memory for speed",
+        "        fully_shard(block, mesh=mesh, mp_policy=mp_policy,",
         "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
         "    for block in model.blocks.values():\n"
-        "        # The knob that trades memory for speed")]),
+        "        fully_shard(block, mesh=mesh, mp_policy=mp_policy,")]),
     "pipeline with scale_grads=False": ("pipeline.py", [(
         "loss_fn=loss_fn, scale_grads=True)",
         "loss_fn=loss_fn, scale_grads=False)")]),
@@ -126,8 +126,7 @@ MISTAKES = {
         "                g.mul_(factor)\n"), (
         "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
     "CP: positions not offset per piece": ("cp.py", [(
-        "                    loss = loss_fn(ddp_model(x, positions=positions.to(device)),\n"
-        "                                   y) / args.accum_steps\n",
+        "                    loss = loss_fn(ddp_model(x, positions=where), y) / args.accum_steps\n",
         "                    loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"), (
         "            sums[0] += loss_fn(model(x, positions=positions.to(device)), y, "
         "reduction=\"sum\")\n",
@@ -137,10 +136,10 @@ MISTAKES = {
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
         "                            group=mesh.get_group(\"dp\"))  # (mistake)\n")]),
     "CP ring: a hop skipped where its keys are masked": ("cp.py", [(
-        "        for query, q_chunk, part in zip(queries, mine, parts):\n",
+        "        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):\n",
         "        if source > me:  # \"a later rank's keys are all masked for my first chunk\"\n"
         "            continue  # ...and the exchange at the bottom of the loop goes with it\n"
-        "        for query, q_chunk, part in zip(queries, mine, parts):\n")]),
+        "        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):\n")]),
 }
 
 # The mistakes that need several processes, launched together (name: ranks, flags).
