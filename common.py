@@ -374,15 +374,15 @@ def check_shared_flags(parser, args, compile_check=True):
     return use_cuda
 
 
-def launch_world(parser, args, use_cuda, width=None, own_gpus=True, data_parallel=True,
-                 stages=False):
+def launch_world(parser, args, width=None, own_gpus=True, data_parallel=True, stages=False):
     """(world size, ranks on this machine, GPUs on it) of a script that runs several ranks,
     with the checks every such script shares: torchrun's ranks, or --nproc workers (default: one per
     GPU, 2 on a CPU, or fewer where that many would not divide the batch, nor `width`: what TP
     cuts; stages: pipeline.py's, one stage per GPU, at most one per block); each rank's own GPU
     (own_gpus; ddp.py lets gloo ranks share one); a --backend that carries this device's
     tensors; and (data_parallel: every rank trains on its own shard of each batch, as in ddp.py
-    and fsdp.py) a batch the ranks' micro-batches divide."""
+    and fsdp.py) a batch the ranks' micro-batches divide. Call it after check_shared_flags."""
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     gpus = machine_gpus() if use_cuda else 0
     if stages:
         default = min(gpus or 2, args.blocks)
@@ -658,6 +658,11 @@ def launch(run, args):
         raise SystemExit(code if code is not None and code > 0
                          else f"{os.path.basename(sys.argv[0])}: {e}")
 
+
+# --- The one-line error, rank 0's prints, and a checkpoint's bookkeeping: saved atomically,
+# on the CPU, with the train state that says whether a run can continue it (every script's
+# save_checkpoint and load_checkpoint call these; what a learner must see stays there:
+# weights_only, map_location, the unwrap, DCP). ---
 
 def fail(message, leave_group=True):
     """Stop this process with `message` as its one error line (on stderr) and exit status 1.

@@ -91,9 +91,9 @@ def parse_args(argv=None):
     hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
                           help="how attention reaches the other ranks' keys and values")
     args = parser.parse_args(argv)
-    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here (common.py)
-    world_size = launch_world(parser, args, use_cuda, data_parallel=False)[0]
+    world_size = launch_world(parser, args, data_parallel=False)[0]
     grid(parser, args, "--cp", world_size)  # --cp: all ranks by default; W/C groups
     if SEQ_LEN % (2 * args.cp):
         parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp equal"

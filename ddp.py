@@ -81,9 +81,9 @@ def parse_args(argv=None):
     parser.groups["hardware"].add_argument("--zero1", action="store_true", help=(
         "ZeRO-1: each rank keeps and steps Adam's state for 1/N of the weights; same weights"))
     args = parser.parse_args(argv)
-    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here (common.py)
-    launch_world(parser, args, use_cuda, own_gpus=False)
+    launch_world(parser, args, own_gpus=False)
     return args
 
 

@@ -97,9 +97,9 @@ def parse_args(argv=None):
     hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     args = parser.parse_args(argv)
-    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here (common.py)
-    world_size = launch_world(parser, args, use_cuda)[0]
+    world_size = launch_world(parser, args)[0]
     if world_size % args.replicate:
         parser.error(f"--replicate {args.replicate} must divide the world size {world_size}")
     if args.fp64 and args.mixed_precision != "off":

@@ -14,10 +14,9 @@ What it teaches
     Both end with the same weights as one device with the same global batch (tests/), and
     write the same checkpoint as single.py: it resumes on any number of stages, or in single.py.
 
-    `torch.distributed.pipeline.sync.Pipe`, which many guides still show, is gone: it was
-    deprecated in PyTorch 2.3 and removed in 2.4 (pytorch/pytorch#121464, #127354).
-    torch.distributed.pipelining, new in 2.4, replaces it: one process per stage, talking
-    through torch.distributed, so stages can sit on different machines.
+    `torch.distributed.pipeline.sync.Pipe`, which many guides still show, is gone since
+    PyTorch 2.4 (docs/torch-versions.md): torch.distributed.pipelining replaces it, one process
+    per stage, talking through torch.distributed, so stages can sit on different machines.
 
     Schedules, 2 stages and 4 micro-batches, one time slot per forward (F) or backward (B):
 
@@ -54,7 +53,8 @@ Launch
     Smallest hardware: any CPU (stages share it; pipeline ranks talk over gloo).
 
 What changes from data parallelism
-    diff ddp.py pipeline.py
+    Most of ddp.py (the micro-batches replace its accumulation, the stages its replicas): read
+    this file top to bottom, as lesson 6 of docs/course.md guides it.
 
 Docs
     https://pytorch.org/docs/stable/distributed.pipelining.html
@@ -92,9 +92,9 @@ def parse_args(argv=None):
     pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
                       help="order of the micro-batches' forwards and backwards (default gpipe)")
     args = parser.parse_args(argv)
-    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here: a stage each (common.py)
-    world_size, _, gpus = launch_world(parser, args, use_cuda, data_parallel=False, stages=True)
+    world_size, _, gpus = launch_world(parser, args, data_parallel=False, stages=True)
     check_stages(parser, args, world_size, gpus)
     return args
 

@@ -26,7 +26,7 @@ Read next (each diff shows its technique; the README says how many lines each ch
     diff single.py dataparallel.py   # several GPUs from one process
     diff single.py amp.py            # mixed precision
     diff single.py ddp.py            # one process per device: data parallelism
-    then diff ddp.py fsdp.py, diff ddp.py pipeline.py and diff fsdp.py tp.py
+    then diff ddp.py fsdp.py, diff fsdp.py tp.py, diff ddp.py cp.py, and pipeline.py itself
 
 Docs
     https://pytorch.org/tutorials/beginner/basics/optimization_tutorial.html

@@ -102,10 +102,9 @@ def parse_args(argv=None):
     hardware.add_argument("--loss-parallel", action="store_true",
                           help="keep the logits cut over the vocabulary through the loss")
     args = parser.parse_args(argv)
-    use_cuda = check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here (common.py)
-    world_size, local_world = launch_world(parser, args, use_cuda, width=args.heads,
-                                             data_parallel=False)[:2]
+    world_size, local_world, _ = launch_world(parser, args, width=args.heads, data_parallel=False)
     grid(parser, args, "--tp", world_size)  # --tp: all ranks by default; W/T groups
     if args.heads % args.tp:
         parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
