@@ -49,11 +49,9 @@ DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed mov
 
 class Attention(nn.Module):
     """Causal multi-head self-attention: q, k, v projections, attention within each head, and
-    the output projection `o` that mixes the heads back into the hidden width.
-
-    q, k and v are separate layers (not one fused qkv layer) so that tensor parallelism can cut
-    each by columns and every rank gets whole heads of all three (tp.py).
-    """
+    the output projection `o` that mixes the heads back into the hidden width. q, k and v are
+    separate layers (not one fused qkv) so that tp.py can give each rank whole heads of all
+    three."""
 
     def __init__(self, hidden, heads):
         super().__init__()
@@ -84,32 +82,74 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: x + attn(norm(x)), then x + down(gelu(up(norm(x)))).
+class Expert(nn.Module):
+    """One expert of a mixture: a dense block's feed-forward, `up`, GELU, `down`."""
 
-    Attention mixes information across positions; the feed-forward pair `up` (hidden -> 4 x
-    hidden) and `down` (back) works on each position alone. The norms come before each part
-    (pre-norm, as GPT-2 and Llama do) and the residual connections let deep stacks train.
-    The parts tensor parallelism cuts (tp.py): q, k, v and `up` by columns, `o` and `down` by
-    rows: each rank computes whole heads and a slice of the inner units with no communication,
-    and adds a partial sum after `o` and after `down`: two all-reduces per block in forward
-    and two in backward.
-    """
-
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, heads)
-        self.mlp_norm = nn.LayerNorm(hidden)
         self.up = nn.Linear(hidden, MLP_RATIO * hidden)
         self.down = nn.Linear(MLP_RATIO * hidden, hidden)
 
     def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """A mixture of `experts` feed-forwards (--experts, --top-k k): a router's softmax scores
+    each token for every expert, the token goes to its k best, and their outputs add up, each
+    weighted by its probability: not renormalized (with k = 1 that would be 1, and the router
+    would learn nothing from the loss). Dropless: no capacity (docs/moe.md)."""
+
+    def __init__(self, hidden, experts, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        # Keyed "0", "1", ...: ep.py deletes those a rank does not hold; the rest keep names.
+        self.experts = nn.ModuleDict({str(e): Expert(hidden) for e in range(experts)})
+
+    def forward(self, x):
+        tokens = x.flatten(0, -2)  # (batch x sequence, hidden): each token on its own
+        probs = F.softmax(self.router(tokens), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k): the k best experts
+        # For the balancing loss (balance_loss): how many tokens each expert got, and the
+        # router's probabilities for it summed over the tokens (these carry its gradient).
+        self.routed = torch.stack([torch.bincount(chosen.flatten(), minlength=probs.shape[1])
+                                   .to(probs.dtype), probs.sum(dim=0)])
+        return self.run_experts(tokens, weights, chosen).view_as(x)
+
+    def run_experts(self, tokens, weights, chosen):
+        """Each token through its k experts, added up by weight (ep.py's: across ranks)."""
+        out = torch.zeros_like(tokens)
+        for e, expert in self.experts.items():
+            token, slot = torch.where(chosen == int(e))  # the tokens that chose e, and the slot
+            share = weights[token, slot, None] * expert(tokens[token])
+            out = out.index_add(0, token, share.to(out.dtype))  # (under autocast: 16 bits)
+        return out
+
+
+class Block(nn.Module):
+    """A pre-norm block: x + attn(norm(x)), then x + the feed-forward (`up`, `down`) or the
+    mixture (`moe`) of norm(x). Attention mixes positions, the feed-forward works on each alone;
+    pre-norm (as GPT-2 and Llama) and the residuals let deep stacks train. tp.py cuts q, k, v
+    and `up` by columns, `o` and `down` by rows: two all-reduces per block each way."""
+
+    def __init__(self, hidden, heads, experts=0, top_k=1):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.mlp_norm = nn.LayerNorm(hidden)
+        self.moe = MoE(hidden, experts, top_k) if experts else None
+        if not experts:
+            self.up = nn.Linear(hidden, MLP_RATIO * hidden)
+            self.down = nn.Linear(MLP_RATIO * hidden, hidden)
+
+    def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
-        # GELU, as GPT-2: smooth where ReLU has a kink at 0. At a kink, a unit's input within
-        # rounding of 0 lets two correct summation orders (ranks, micro-batches, GPU kernels)
-        # pass a token's gradient through it or not, and Adam turns that into visible steps:
-        # fp32 runs that should match part (docs/drift.md). GELU's slope changes smoothly.
+        if self.moe is not None:
+            return x + self.moe(self.mlp_norm(x))
+        # GELU, as GPT-2: smooth where ReLU has a kink at 0, where an input within rounding of
+        # 0 lets two correct summation orders (ranks, micro-batches, GPU kernels) pass a token's
+        # gradient or not, and Adam makes fp32 runs that should match part (docs/drift.md).
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
 
@@ -117,22 +157,19 @@ class SimpleModel(nn.Module):
     """A small causal language model: tokens -> embedding + position embedding -> `blocks` x
     Block -> final LayerNorm -> `output` (logits over the vocabulary at every position).
 
-    GPT-2's shape in miniature (about 0.2 M parameters at the defaults). No dropout on purpose:
-    its masks come from each process's own random stream, so it makes parallel strategies
-    differ from one device for a reason that has nothing to do with the strategy (and a model
-    this small on this much data does not need it). LayerNorm normalizes each token on its own,
-    so unlike BatchNorm it does not depend on which samples share a rank.
-
-    The blocks live in a ModuleDict keyed "0", "1", ... so that a pipeline stage can delete the
-    blocks it does not own (and set the embeddings or the head to None) and keep the full
-    model's parameter names: a stage's state_dict is then a slice of the full one.
+    GPT-2's shape in miniature (about 0.2 M parameters at the defaults). No dropout: its masks
+    come from each process's own random stream, a difference from one device that is not the
+    strategy's. LayerNorm, unlike BatchNorm, does not depend on which samples share a rank.
+    The blocks are a ModuleDict keyed "0", "1", ...: a pipeline stage deletes those it does not
+    own and keeps the full model's parameter names (its state_dict is a slice of the full one).
     """
 
-    def __init__(self, hidden=64, blocks=4, heads=4):
+    def __init__(self, hidden=64, blocks=4, heads=4, experts=0, top_k=1):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, hidden)
         self.pos = nn.Embedding(SEQ_LEN, hidden)  # learned: one vector per position
-        self.blocks = nn.ModuleDict({str(i): Block(hidden, heads) for i in range(blocks)})
+        self.blocks = nn.ModuleDict({str(i): Block(hidden, heads, experts, top_k)
+                                     for i in range(blocks)})
         self.norm = nn.LayerNorm(hidden)
         # Not tied to `embed` (GPT-2 ties them): a tied weight is used by the first and the
         # last layer, so a pipeline would hold it on two stages and must add up its two
@@ -153,6 +190,26 @@ class SimpleModel(nn.Module):
             x = self.output(self.norm(x))
         return x
 
+    @classmethod
+    def from_args(cls, args):
+        """The model that --hidden, --blocks, --heads, --experts and --top-k describe."""
+        return cls(args.hidden, args.blocks, args.heads, args.experts, args.top_k)
+
+    def routed(self):
+        """Per MoE block, from the last forward: the tokens each expert got, and the router's
+        probabilities for it summed over the tokens: (blocks, 2, experts)."""
+        return torch.stack([block.moe.routed for block in self.blocks.values()])
+
+
+def balance_loss(routed, top_k):
+    """The Switch/GShard load-balancing loss, E x sum over experts of f_e x P_e (f_e: the share
+    of the token slots expert e got; P_e: its mean router probability), averaged over the
+    blocks: 1 when balanced, up to E. Only P carries a gradient. From `routed`, summed over
+    the ranks that share one device's micro-batch (a product of means: not a sum of theirs)."""
+    tokens = routed[0, 0].sum() / top_k
+    share, mean_prob = routed[:, 0] / (tokens * top_k), routed[:, 1] / tokens
+    return routed.shape[-1] * (share * mean_prob).sum(dim=-1).mean()
+
 
 def loss_fn(logits, targets, reduction="mean"):
     """Cross-entropy over every predicted token: logits (batch, seq, VOCAB), targets (batch,
@@ -161,34 +218,18 @@ def loss_fn(logits, targets, reduction="mean"):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
 
 
-def flops_per_sample(model):
-    """Training FLOPs of one sequence as MFU counts them (nanoGPT's estimate): 6 per weight per
-    token for every weight that multiplies (forward 2, backward 4; the embeddings only look
-    up), plus attention's scores and weighted sums, 12 x hidden x SEQ_LEN per block per token.
-    From the layers' shapes, so it holds for a sharded model too."""
-    dense = sum(m.in_features * m.out_features for m in model.modules()
-                if isinstance(m, nn.Linear))
-    attention = sum(12 * m.o.in_features * SEQ_LEN for m in model.modules()
-                    if isinstance(m, Attention))
-    return SEQ_LEN * (6 * dense + attention)
-
-
 def make_dataset(split="train", dtype=torch.float32):
     """Token sequences with a structure only attention can learn, the same every time.
 
     Each sequence is PERIOD random tokens, then the same PERIOD tokens again (and the first
-    one once more): SEQ_LEN + 1 tokens, cut into the input (tokens 0..15) and the targets
-    (tokens 1..16: the next token at each position). The first PERIOD - 1 targets are random:
-    nothing can predict them, and they keep the loss above (PERIOD - 1) / SEQ_LEN x ln(VOCAB)
-    = 1.52. From position PERIOD - 1 on, the next token is a copy of the one PERIOD positions
-    back: a model that attends there predicts it exactly. So the held-out loss falls from
-    about ln(32) = 3.47 towards 1.52 exactly as far as attention learns to look back (the
-    training loss can go below 1.52 by memorizing the training sequences' random halves).
-    split="train": DATASET_SIZE sequences; "val": VAL_SIZE held-out ones, drawn after (so
-    other than) the training ones. 1000 is divided by neither 3, 6, 7 nor 8, so those world
-    sizes make DistributedSampler pad (see ddp.py). From its own generator, so it neither
-    reads nor disturbs the global RNG. Tokens are integers: `dtype` (the run's float type)
-    does not change them; the --fp64 run trains on the same data as the fp32 one.
+    once more): SEQ_LEN + 1 tokens, cut into the input (tokens 0..15) and the targets (1..16:
+    the next token at each position). The first PERIOD - 1 targets are random and keep the
+    loss above (PERIOD - 1) / SEQ_LEN x ln(VOCAB) = 1.52; from position PERIOD - 1 on, the next
+    token is a copy of the one PERIOD back. So the held-out loss falls from ln(32) = 3.47
+    towards 1.52 as far as attention learns to look back (the training loss can go lower by
+    memorizing). split "train": DATASET_SIZE sequences; "val": VAL_SIZE others (1000: 3, 6,
+    7 and 8 ranks make DistributedSampler pad). Its own generator: the global RNG is left
+    alone. `dtype` does not change the tokens (integers): --fp64 trains on the same data.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -273,15 +314,16 @@ def compile_problem(use_cuda, fp64=False):
 # the scripts that run several ranks then call launch_world. A learner can skip this: the
 # flags are listed in docs/usage.md, and a bad one is refused in one line that names the fix. ---
 
-def shared_parser(doc, accum=True, sharded=False, ranks=False,
+def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True,
                   nproc_help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)"):
     """An ArgumentParser with the flags every script shares, in groups a script adds to
     (`parser.groups["hardware"]`, say): training, model, hardware, output. accum: the
     --accum-steps flag (pipeline.py has micro-batches instead). sharded: --checkpoint is a
     folder of shards (fsdp.py, tp.py), not a file. ranks: a script that runs several ranks,
-    with --backend, --nproc (helped by nproc_help) and --timeout."""
+    with --backend, --nproc (helped by nproc_help) and --timeout. moe=False: --experts is
+    refused in one line (the script trains the dense model only)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.sharded = sharded
+    parser.sharded, parser.moe = sharded, moe
     groups = parser.groups = {title: parser.add_argument_group(title)
                               for title in ("training", "model", "hardware", "output")}
     train = groups["training"]
@@ -309,6 +351,13 @@ def shared_parser(doc, accum=True, sharded=False, ranks=False,
     model.add_argument("--blocks", type=positive(int), default=4, help="transformer blocks")
     model.add_argument("--heads", type=positive(int), default=4,
                        help="attention heads per block (must divide --hidden)")
+    model.add_argument("--experts", type=int, default=0, metavar="E",
+                       help="a mixture of E experts in place of each block's feed-forward "
+                            "(default 0: the dense model)")
+    model.add_argument("--top-k", type=positive(int), default=1, metavar="K",
+                       help="experts each token goes to (with --experts)")
+    model.add_argument("--balance", type=float, default=0.01, metavar="C",
+                       help="the load-balancing loss's coefficient (with --experts)")
     hardware = groups["hardware"]
     hardware.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                           help="auto: CUDA if available, else CPU")
@@ -362,6 +411,14 @@ def check_shared_flags(parser, args, compile_check=True):
         # fsdp.py and tp.py's 2D: older ones sum FSDP's gradients over gloo, not average them
         parser.error(f"torch {torch.__version__}: FSDP on CPU (gloo) needs torch 2.9 or later "
                      "(older ones sum the gradients: docs/torch-versions.md); upgrade torch")
+    if args.experts and not parser.moe:
+        parser.error(f"--experts: {parser.prog} trains the dense model only; use single.py, "
+                     "ddp.py or fsdp.py for a mixture of experts")
+    if not 0 <= args.experts or args.experts and not args.top_k <= args.experts:
+        parser.error(f"--experts {args.experts} --top-k {args.top_k}: need 0 experts (dense), "
+                     "or at least --top-k of them")
+    if not 0 <= args.balance < float("inf"):
+        parser.error(f"--balance {args.balance}: must be 0 or a positive, finite coefficient")
     if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
         parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
@@ -659,6 +716,42 @@ def launch(run, args):
                          else f"{os.path.basename(sys.argv[0])}: {e}")
 
 
+# --- The mixture of experts' load-balancing loss, as the scripts that train one add it. ---
+
+def balance(model, args, group=None):
+    """--balance x the load-balancing loss (balance_loss) of the micro-batch just forwarded; 0
+    for the dense model, whose numbers it leaves exactly as they were. With `group`: over all
+    its ranks, which hold one device's micro-batch between them (ddp.py, fsdp.py): their
+    routing summed, differentiably (AllReduce), so each adds the loss one device computes."""
+    if not args.experts:
+        return 0.0
+    routed = model.routed()
+    if group is not None:
+        routed = AllReduce.apply(routed, group)
+    # The tokens each expert got, counted over the run for the summary's last line.
+    model.tokens_per_expert = routed[:, 0].detach() + getattr(model, "tokens_per_expert", 0)
+    return args.balance * balance_loss(routed, args.top_k)
+
+
+class AllReduce(torch.autograd.Function):
+    """A sum over `group`'s ranks that autograd goes through: every rank's input fed every
+    rank's output, so its gradient is the sum of their gradients (an all-reduce too). Under
+    DDP's averaging that gives each parameter one device's gradient of the shared loss."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 # --- The one-line error, rank 0's prints, and a checkpoint's bookkeeping: saved atomically,
 # on the CPU, with the train state that says whether a run can continue it (every script's
 # save_checkpoint and load_checkpoint call these; what a learner must see stays there:
@@ -747,7 +840,8 @@ def train_state(args, step):
     check_resumable: the step, and what the data order and the model depend on (the data
     position is a function of --seed, the step and --batch-size only)."""
     return {"step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
-            "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads}
+            "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads,
+            "experts": args.experts, "top_k": args.top_k}
 
 
 def check_resumable(saved, args, refuse):
@@ -763,6 +857,10 @@ def check_resumable(saved, args, refuse):
     # weights would load and the attention would compute something else: the file says it.
     if saved.get("heads") != args.heads:
         refuse(f"saved with --heads {saved.get('heads')}; use --heads {saved.get('heads')}")
+    # --top-k shapes no weight either (and a dense file has no experts: 0, 1 the defaults)
+    experts, top_k = saved.get("experts", 0), saved.get("top_k", 1)
+    if (experts, top_k) != (args.experts, args.top_k):
+        refuse(f"saved with --experts {experts} --top-k {top_k}; use the same")
     for flag, key in (("--batch-size", "batch_size"), ("--seed", "seed")):
         if saved.get(key) != getattr(args, key):
             refuse(f"written with {flag} {saved.get(key)}, not {getattr(args, key)}: the data "
@@ -935,6 +1033,22 @@ def quiet_known_warnings():
         lambda record: "This is suboptimal" not in record.getMessage())
 
 
+def flops_per_sample(model):
+    """Training FLOPs of one sequence as MFU counts them (nanoGPT's estimate): 6 per weight per
+    token for every weight that multiplies (forward 2, backward 4; the embeddings only look
+    up), plus attention's scores and weighted sums, 12 x hidden x SEQ_LEN per block per token.
+    From the layers' shapes, so it holds for a sharded model too."""
+    dense = sum(m.in_features * m.out_features for m in model.modules()
+                if isinstance(m, nn.Linear))
+    # A mixture's experts each see top_k / experts of the tokens: count the weights a token uses.
+    dense -= sum((len(m.experts) - m.top_k) * sum(
+        e.up.in_features * e.up.out_features * 2 for e in m.experts.values()) // len(m.experts)
+        for m in model.modules() if isinstance(m, MoE))
+    attention = sum(12 * m.o.in_features * SEQ_LEN for m in model.modules()
+                    if isinstance(m, Attention))
+    return SEQ_LEN * (6 * dense + attention)
+
+
 def num_params(model):
     return sum(p.numel() for p in model.parameters())
 
@@ -1015,10 +1129,11 @@ class Meter:
             self.warm_samples += samples
         return rate
 
-    def summary(self, loss, flops_per_sample, val_loss, state_bytes=None):
-        """The final line: steps, final loss, samples/s, step time, peak memory, TFLOP/s,
-        the first step's time, the bytes of training state each rank holds (if given), and
-        the validation loss."""
+    def summary(self, loss, model, val_loss, state_bytes=None):
+        """The final line: steps, final loss, samples/s, step time, peak memory, `model`'s
+        TFLOP/s, the first step's time, the bytes of training state each rank holds (if given),
+        and the validation loss; for a mixture of experts, a line of the tokens each expert
+        got over the run (balance() counts them, every rank's)."""
         if self.steps > self.warmup:
             timed, samples, elapsed = (self.steps - self.warmup, self.warm_samples,
                                        self.last - self.warm_start)
@@ -1042,11 +1157,17 @@ class Meter:
             # whole job's samples/s (the global batch), so this is the job's figure, not one
             # GPU's, and activation checkpointing's recomputation (about 2 more per weight per
             # token) is not in it.
-            line += f" | {flops_per_sample * rate / 1e12:.2f} model TFLOP/s (job)"
+            line += f" | {flops_per_sample(model) * rate / 1e12:.2f} model TFLOP/s (job)"
         line += f" | first step {self.first_step:.2f} s"
         if state_bytes is not None:
             line += f" | state {state_bytes / 2**20:.3f} MiB/rank"
-        return line + f" | val loss {val_loss:.6f}"
+        line += f" | val loss {val_loss:.6f}"
+        counts = getattr(model, "tokens_per_expert", None)
+        if counts is not None:  # (blocks, experts): the busiest expert against the mean
+            line += "\nexperts | tokens routed to each, per block: " + " | ".join(
+                " ".join(f"{n:.0f}" for n in block) for block in counts.tolist())
+            line += f" | busiest / mean {(counts.max(1).values / counts.mean(1)).max():.3f}"
+        return line
 
 
 class Profiler:

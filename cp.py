@@ -77,8 +77,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, train_state, unloadable
+from common import check_resumable, fail, held_bytes, loss_fn, print0
+from common import balance, save_atomic, seed_everything, train_state, unloadable
 from common import SEQ_LEN, grid, launch, launch_world, leave, positive, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
@@ -283,7 +283,7 @@ def train(args, rank, world_size, device):
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
+    model = SimpleModel.from_args(args).to(device, dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # --- CP: the ranks as a grid, each block's attention reaching across its CP group ---
@@ -341,7 +341,9 @@ def train(args, rank, world_size, device):
             with contextlib.nullcontext() if last else ddp_model.no_sync():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
-                    loss = loss_fn(ddp_model(x, positions=where), y) / args.accum_steps
+                    loss = loss_fn(ddp_model(x, positions=where), y)
+                    # MoE: its balancing loss over every rank's routing, one device's micro-batch
+                    loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
             # --- end ---
@@ -374,7 +376,7 @@ def train(args, rank, world_size, device):
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 

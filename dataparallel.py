@@ -42,13 +42,13 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
+from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import save_atomic, seed_everything, train_state, unloadable
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
-    parser = shared_parser(__doc__)  # the flags every script shares (docs/usage.md)
+    parser = shared_parser(__doc__, moe=False)  # the flags every script shares (docs/usage.md)
     args = parser.parse_args(argv)
     use_cuda = check_shared_flags(parser, args, compile_check=False)
     if args.compile:
@@ -106,7 +106,7 @@ def train(args, device):
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
+    model = SimpleModel.from_args(args).to(device, dtype)
     # --activation-checkpointing, per block, before DataParallel wraps the model (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DataParallel: wrap the model ---
@@ -175,7 +175,7 @@ def train(args, device):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 

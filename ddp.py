@@ -70,8 +70,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, train_state, unloadable
+from common import check_resumable, fail, held_bytes, loss_fn, print0
+from common import balance, save_atomic, seed_everything, train_state, unloadable
 from common import launch, launch_world, leave, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
@@ -145,7 +145,7 @@ def train(args, rank, world_size, device):
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
+    model = SimpleModel.from_args(args).to(device, dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DDP: wrap the model ---
@@ -194,7 +194,9 @@ def train(args, rank, world_size, device):
             last = micro == args.accum_steps - 1
             with contextlib.nullcontext() if last else ddp_model.no_sync():
                 with record_function("forward"):
-                    loss = loss_fn(ddp_model(x), y) / args.accum_steps
+                    loss = loss_fn(ddp_model(x), y)
+                    # MoE: its balancing loss over every rank's routing, one device's micro-batch
+                    loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
             # --- end ---
@@ -230,7 +232,7 @@ def train(args, rank, world_size, device):
             if args.zero1:  # then drop rank 0's gathered copy (nothing public frees it)
                 optimizer._all_state_dicts.clear()
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 

@@ -80,8 +80,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import positive, save_atomic, seed_everything, train_state
+from common import check_resumable, fail, held_bytes, loss_fn, print0
+from common import balance, positive, save_atomic, seed_everything, train_state
 from common import launch, launch_world, leave, rendezvous
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
@@ -170,7 +170,7 @@ def train(args, rank, world_size, device):
     # --- FSDP: build the model without memory, shard it, then fill the shards ---
     # On the "meta" device a module has shapes but no storage: any size costs nothing here.
     with torch.device("meta"):
-        model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
+        model = SimpleModel.from_args(args).to(dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # --mixed-precision bf16: weights gathered and used in bf16; the gradients reduced and the
@@ -197,7 +197,7 @@ def train(args, rank, world_size, device):
     full = {}
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype).state_dict()
+        full = SimpleModel.from_args(args).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
     # After fully_shard, never before: it makes every parameter a sharded DTensor, and an
@@ -239,7 +239,9 @@ def train(args, rank, world_size, device):
             last = micro == args.accum_steps - 1
             model.set_requires_gradient_sync(last)
             with record_function("forward"):
-                loss = loss_fn(model(x), y) / args.accum_steps
+                loss = loss_fn(model(x), y)
+                # MoE: its balancing loss over every rank's routing, one device's micro-batch
+                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             # --- end ---
@@ -270,7 +272,7 @@ def train(args, rank, world_size, device):
             with meter.paused():  # every rank writes its own shards: a collective
                 save_checkpoint(args, model, optimizer, rank, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 

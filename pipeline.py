@@ -73,7 +73,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel, flops_per_sample
+from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
 from common import positive, print0, save_atomic, seed_everything, train_state, unloadable
 from common import launch, launch_world, leave, rendezvous
@@ -83,7 +83,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def parse_args(argv=None):
-    parser = shared_parser(__doc__, accum=False, ranks=True)  # the flags every script shares
+    parser = shared_parser(__doc__, accum=False, ranks=True, moe=False)  # the shared flags
     pipe = parser.add_argument_group("pipeline")
     pipe.add_argument("--stages", type=positive(int), default=None, help="stages of --nproc 1 "
                       "(model parallelism; default: one per GPU, or 2); else one per rank")
@@ -230,7 +230,7 @@ def train(args, rank, world_size, devices):
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)  # every rank builds the same full model before cutting it
-    model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
+    model = SimpleModel.from_args(args).to(dtype)
     # Into the full model, before the cut: every stage then starts from its slice of the file.
     state = load_checkpoint(args, model) if args.checkpoint else None
     if world_size == 1:
@@ -353,7 +353,7 @@ def train(args, rank, world_size, devices):
             if rank == 0:
                 save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss))
+    print0(meter.summary(final_loss, model, val_loss=val_loss))
     weights, _ = (gather_full_state(model, stages, optimizer, rank, devices[0]) if args.save
                   else (None, None))
     return weights, final_loss, val_loss

@@ -41,8 +41,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, train_state, unloadable
+from common import check_resumable, fail, held_bytes, loss_fn, print0
+from common import balance, save_atomic, seed_everything, train_state, unloadable
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
@@ -88,7 +88,7 @@ def train(args, device):
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
-    model = SimpleModel(args.hidden, args.blocks, args.heads).to(device, dtype)
+    model = SimpleModel.from_args(args).to(device, dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -119,7 +119,8 @@ def train(args, device):
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"):
-                loss = loss_fn(model(x), y) / args.accum_steps
+                loss = loss_fn(model(x), y)
+                loss = (loss + balance(model, args)) / args.accum_steps  # MoE: after forward
             with record_function("backward"):
                 loss.backward()
             loss_sum += loss.detach()
@@ -144,7 +145,7 @@ def train(args, device):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 

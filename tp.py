@@ -85,7 +85,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import SEQ_LEN, VOCAB  # what sequence and loss parallelism cut
-from common import check_resumable, fail, flops_per_sample, held_bytes, loss_fn, print0
+from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import positive, save_atomic, seed_everything, train_state
 from common import grid, launch, launch_world, leave, rendezvous
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
@@ -93,7 +93,7 @@ from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
-    parser = shared_parser(__doc__, sharded=True, ranks=True)
+    parser = shared_parser(__doc__, sharded=True, ranks=True, moe=False)
     hardware = parser.groups["hardware"]
     hardware.add_argument("--tp", type=positive(int), default=None, help="ranks per tensor-"
                           "parallel group (default: all, pure TP); fewer: 2D, FSDP across them")
@@ -254,7 +254,7 @@ def train(args, rank, world_size, device):
     # --- TP: build the model without memory, cut it (and shard it), then fill the pieces ---
     # On the "meta" device a module has shapes but no storage: any size costs nothing here.
     with torch.device("meta"):
-        model = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype)
+        model = SimpleModel.from_args(args).to(dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     # The ranks as a grid on `device`: W/T rows ("dp") of T ranks ("tp"), row-major, so a TP
@@ -269,7 +269,7 @@ def train(args, rank, world_size, device):
     full = {}
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel(args.hidden, args.blocks, args.heads).to(dtype).state_dict()
+        full = SimpleModel.from_args(args).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
     # After parallelize, never before: it makes every parameter a sharded DTensor, and an
@@ -351,7 +351,7 @@ def train(args, rank, world_size, device):
             with meter.paused():  # every rank writes its own shards: a collective
                 save_checkpoint(args, model, optimizer, rank, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, flops_per_sample=flops_per_sample(model), val_loss=val_loss,
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 

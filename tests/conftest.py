@@ -70,14 +70,17 @@ def fp64(seed, steps=FP64_JOB["steps"], clip=None):
 
 
 @functools.lru_cache(maxsize=None)
-def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"]):
+def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"], experts=0,
+                   top_k=1, accum=1):
     """The oracle's (initial, final weights, losses, gradient norms) for FP64_JOB on `seed`,
     in float64, clipped to `clip` if given, with `heads` heads (tensor parallelism needs a
-    count its degree divides)."""
+    count its degree divides); with `experts`, the mixture of experts (top_k, and the
+    load-balancing loss per micro-batch of `accum`)."""
     from reference import reference_train
     norms = []
     return (*reference_train(**{**JOB, **FP64_JOB, "steps": steps, "seed": seed,
-                                "heads": heads}, fp64=True, clip=clip, norms=norms), norms)
+                                "heads": heads}, fp64=True, clip=clip, norms=norms,
+                             experts=experts, top_k=top_k, accum=accum), norms)
 
 # One rule for every strategy and device: the saved weights are within TOL of the oracle's
 # (tests/reference.py: one device, one batch per step, on the CPU) after JOB. Another summation
@@ -415,7 +418,7 @@ def run_commands(script, runs, folder):
     in a flag stands for `folder`) and saves its weights."""
     commands, paths = [], []
     for i, (nproc, flags) in enumerate(runs.values()):
-        paths.append(folder / f"{i}.pt")
+        paths.append(folder / f"{Path(script).stem}-{i}.pt")
         args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags if f != CUDA_DEFAULTS),
                 f"--save={paths[-1]}"]
         commands.append([CUDA_DEFAULTS] * (CUDA_DEFAULTS in flags) + (
@@ -506,7 +509,8 @@ def load_saved(path, model=None):
     SimpleModel, or `model`) of the file's dtype (a --fp64 file holds float64 tensors; a float32
     model would round them)."""
     weights = torch.load(path, weights_only=True)
-    model = model or SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
+    experts = len({key.split(".")[4] for key in weights if ".moe.experts." in key})
+    model = model or SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"], experts)
     model = model.to(next(iter(weights.values())).dtype)
     model.load_state_dict(weights, strict=True)
     return model.state_dict()
@@ -547,19 +551,20 @@ def reference():
 
 
 def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], clip=None,
-                                           heads=JOB["heads"]):
+                                           heads=JOB["heads"], **moe):
     """A --fp64 run (stdout, saved weights) on `seed` (clipped to `clip`, if given): float64
     weights within FP64_TOL of the fp64 oracle's, the printed validation loss the oracle's exact
     one (to its 6 decimals), and the loss and gradient norm of every logged step the oracle's:
     every number it prints is one device's, to the digits printed."""
     from reference import reference_val_loss
     out, weights = run
-    _, expected, losses, norms = fp64_reference(seed, steps, clip, heads)
+    _, expected, losses, norms = fp64_reference(seed, steps, clip, heads, **moe)
     assert all(w.dtype == torch.float64 for w in weights.values())
     diff = max_diff(weights, expected)
     print(f"fp64 run: max weight difference {diff:.2e} from the fp64 oracle")  # pytest -s
     assert diff < FP64_TOL, f"max weight difference {diff:.2e} from the fp64 oracle"
-    exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], heads)
+    exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], heads,
+                               moe.get("experts", 0), moe.get("top_k", 1))
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)
     assert_norms_are_the_oracles(out, norms, rel=1e-6)  # float64: to the digits printed
     for step, loss in logged_step_losses(out).items():  # 6 decimals

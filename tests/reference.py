@@ -16,8 +16,19 @@ def token_loss(logits, targets, reduction="mean"):
                            reduction=reduction)
 
 
+def moe_balance_loss(model, top_k):
+    """The mixture of experts' Switch/GShard load-balancing loss of the last forward, written
+    here from the model's routing counts and probabilities: E x sum_e f_e x P_e, over blocks."""
+    losses = []
+    for block in model.blocks.values():
+        counts, prob_sums = block.moe.routed
+        tokens = counts.sum() / top_k
+        losses.append(len(counts) * ((counts / (tokens * top_k)) * (prob_sums / tokens)).sum())
+    return sum(losses) / len(losses)
+
+
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
-                    fp64=False, norms=None):
+                    fp64=False, norms=None, experts=0, top_k=1, balance=0.01, accum=1):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (the scripts' --clip).
@@ -28,10 +39,13 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     same arithmetic in the same order, so it follows an N-rank run past the horizon where
     any two summation orders drift apart (docs/drift.md).
     fp64: everything in float64, from the fp32 initial weights and data cast (as --fp64 does).
+    experts, top_k, balance: a mixture of experts in every block (--experts, --top-k), trained
+    on each of `accum` micro-batches' loss plus `balance` x its load-balancing loss (which,
+    unlike the cross-entropy, depends on how the batch is cut: --accum-steps).
     """
     dtype = torch.float64 if fp64 else torch.float32
     torch.manual_seed(seed)
-    model = SimpleModel(hidden=hidden, blocks=blocks, heads=heads).to(dtype)
+    model = SimpleModel(hidden, blocks, heads, experts, top_k).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     x, y = make_dataset().tensors  # token ids: integers in any precision
@@ -43,7 +57,14 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
             order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
         batch = order[k * batch_size:(k + 1) * batch_size]
         optimizer.zero_grad()
-        if ranks == 1:
+        if experts:
+            loss = 0.0
+            for micro in batch.chunk(accum):
+                part = token_loss(model(x[micro]), y[micro])
+                part = (part + balance * moe_balance_loss(model, top_k)) / accum
+                part.backward()
+                loss += part.detach()
+        elif ranks == 1:
             loss = token_loss(model(x[batch]), y[batch])
             loss.backward()
         else:
@@ -65,10 +86,10 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     return initial, model.state_dict(), losses
 
 
-def reference_val_loss(weights, hidden, blocks, heads):
+def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1):
     """The exact mean cross-entropy per token of `weights` over the whole held-out set, in
     float64: one forward over all of it, no batches, no ranks."""
-    model = SimpleModel(hidden=hidden, blocks=blocks, heads=heads).double()
+    model = SimpleModel(hidden, blocks, heads, experts, top_k).double()
     model.load_state_dict(weights)
     x, y = make_dataset("val").tensors
     with torch.no_grad():

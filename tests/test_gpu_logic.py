@@ -133,7 +133,7 @@ def test_the_clock_waits_for_every_gpu_of_a_model_parallel_run(monkeypatch):
     synced.clear()
     meter.step(64)
     assert synced == ["cuda:0", "cuda:1"]
-    summary = meter.summary(0.1, 1, 0.1)  # both GPUs, once each, summed
+    summary = meter.summary(0.1, common.SimpleModel(8, 1, 2), 0.1)  # both GPUs, once each, summed
     assert "peak mem 2.0 MiB allocated, 4.0 MiB reserved (CUDA, 2 GPUs)" in summary
     assert "model TFLOP/s (job)" in summary
 

@@ -39,10 +39,15 @@ MISTAKES = {
     "no_sync around backward only": ("ddp.py", [(
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
         "                with record_function(\"forward\"):\n"
-        "                    loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"
-        "                with record_function(\"backward\"):\n",
+        "                    loss = loss_fn(ddp_model(x), y)\n",
         "            with record_function(\"forward\"):\n"
-        "                loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"
+        "                loss = loss_fn(ddp_model(x), y)\n"), (
+        "                    # MoE: its balancing loss over every rank's routing, one device's "
+        "micro-batch\n"
+        "                    loss = (loss + balance(model, args, dist.group.WORLD)) / "
+        "args.accum_steps\n"
+        "                with record_function(\"backward\"):\n",
+        "                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps\n"
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
         "                with record_function(\"backward\"):\n")]),
     "mean of per-rank validation means": ("ddp.py", [(
@@ -62,8 +67,8 @@ MISTAKES = {
         "                save_checkpoint(args, model, optimizer, step + 1)",
         "                save_checkpoint(args, ddp_model, optimizer, step + 1)")]),
     "loss not divided when accumulating": ("single.py", [(
-        "                loss = loss_fn(model(x), y) / args.accum_steps",
-        "                loss = loss_fn(model(x), y)")]),
+        "                loss = (loss + balance(model, args)) / args.accum_steps",
+        "                loss = loss + balance(model, args)")]),
     "TP: local head count left global": ("tp.py", [(
         "        block.attn.heads //= mesh[\"tp\"].size()\n", "")]),
     "TP: a fused qkv layer cut by columns": ("tp.py", [(
@@ -126,8 +131,8 @@ MISTAKES = {
         "                g.mul_(factor)\n"), (
         "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
     "CP: positions not offset per piece": ("cp.py", [(
-        "                    loss = loss_fn(ddp_model(x, positions=where), y) / args.accum_steps\n",
-        "                    loss = loss_fn(ddp_model(x), y) / args.accum_steps\n"), (
+        "                    loss = loss_fn(ddp_model(x, positions=where), y)\n",
+        "                    loss = loss_fn(ddp_model(x), y)\n"), (
         "            sums[0] += loss_fn(model(x, positions=positions.to(device)), y, "
         "reduction=\"sum\")\n",
         "            sums[0] += loss_fn(model(x), y, reduction=\"sum\")\n")]),

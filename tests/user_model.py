@@ -2,9 +2,9 @@
 loss. tests/test_own_model.py puts it into the scripts the way docs/course.md ("Putting your own
 model in") says: common.py's four names point here, and nothing else changes.
 
-The scripts build `SimpleModel(args.hidden, args.blocks, args.heads)` and wrap, shard and
-checkpoint `model.blocks` one by one; so this model takes those three (an MLP has no heads) and
-keeps its repeated layers in a ModuleDict called `blocks`.
+The scripts build `SimpleModel.from_args(args)` and wrap, shard and checkpoint `model.blocks`
+one by one; so this model takes the flags it needs (--hidden, --blocks: an MLP has no heads)
+and keeps its repeated layers in a ModuleDict called `blocks`.
 """
 
 import torch
@@ -30,6 +30,10 @@ class SimpleModel(nn.Module):
         self.input = nn.Linear(IN_FEATURES, hidden)
         self.blocks = nn.ModuleDict({str(i): Block(hidden) for i in range(blocks)})
         self.output = nn.Linear(hidden, OUT_FEATURES)
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(args.hidden, args.blocks)
 
     def forward(self, x):
         x = self.input(x)

@@ -1,0 +1,151 @@
+"""The mixture of experts (--experts, --top-k, --balance): every script that trains it ends with
+one device's weights in float64, the load-balancing loss included, and every script that does
+not refuses it in one line. The dense model (--experts 0, the default) is every other test's."""
+
+import shutil
+
+import pytest
+import torch
+
+import common
+from common import SimpleModel
+from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, assert_fp64_run_equals_the_fp64_oracle,
+                      early_results, fp64, load_saved, refused_in_one_line, run_commands,
+                      run_in_process, succeeded)
+
+SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+
+
+def moe(experts, top_k, accum=1):
+    """The flags of a mixture, and the oracle's matching keywords."""
+    flags = [f"--experts={experts}", f"--top-k={top_k}", f"--accum-steps={accum}"]
+    return flags, dict(experts=experts, top_k=top_k, accum=accum)
+
+
+# script: {name: (ranks, flags)}: launched early, each on FP64_JOB with a mixture, on flags
+# nobody chose: odd expert counts, k = 1 and 2, accumulation (which the balancing loss, unlike
+# the cross-entropy, depends on), clipping, and a checkpoint another script continues.
+MIXTURES = {
+    "ddp, 3 ranks, 3 experts, top-1, accum 2, clip": (SEED_A, FP64_CLIP, moe(3, 1, accum=2)),
+    "ddp, spawn 2 ranks, 4 experts, top-2, accum 3": (SEED_B, None, moe(4, 2, accum=3)),
+    "fsdp, 2 ranks, 5 experts, top-2, clip": (SEED_A, FP64_CLIP, moe(5, 2)),
+    "cp, 2 ranks, 4 experts, top-1, accum 2": (SEED_B, None, moe(4, 1, accum=2)),
+}
+RUNS = {"ddp.py": {}, "fsdp.py": {}, "cp.py": {}}
+for name, (seed, clip, (flags, _)) in MIXTURES.items():
+    script, ranks = name.split(",")[0] + ".py", int(name.split(",")[1].split()[-2])
+    spawned = "spawn" in name
+    RUNS[script][name] = (None if spawned else ranks, [
+        *([f"--nproc={ranks}"] if spawned else []), *fp64(seed, clip=clip), *flags,
+        *(["--checkpoint={folder}/moe.pt"] if name.startswith("ddp, 3") else [])])
+
+
+def early_launches(folder):
+    return [c for script, runs in RUNS.items() for c in run_commands(script, runs, folder)[0]], None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    folder, results = early_results(__name__)
+    paths = [p for script, runs in RUNS.items() for p in run_commands(script, runs, folder)[1]]
+    names = [name for runs in RUNS.values() for name in runs]
+    return dict(zip(names, zip(results, paths))), folder
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_fp64_mixture_of_experts_on_several_ranks_equals_the_fp64_oracle(name, runs):
+    """Each rank routes its own tokens; the balancing loss is taken over every rank's routing
+    summed, so it is the loss one device computes on the micro-batch."""
+    seed, clip, (_, oracle) = MIXTURES[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[0][name]), seed, clip=clip, **oracle)
+
+
+@pytest.mark.parametrize("script, extra", [("single", []), ("amp", ["--dtype=fp32"])])
+def test_fp64_mixture_of_experts_on_one_device_equals_the_fp64_oracle(script, extra, tmp_path):
+    flags, oracle = moe(3, 2, accum=2)
+    run = run_in_process(script, [*fp64(SEED_B, clip=FP64_CLIP), *flags, *extra], tmp_path)
+    assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, clip=FP64_CLIP, **oracle)
+
+
+def test_fp64_mixture_checkpoint_from_3_ranks_resumes_in_single_py(runs, tmp_path):
+    """A file written by ddp.py's 3 ranks at the end of FP64_JOB: single.py continues it for 4
+    more steps, to the oracle's weights after FP64_JOB + 4 steps."""
+    shutil.copy(runs[1] / "moe.pt", tmp_path / "moe.pt")
+    seed, clip, (flags, oracle) = MIXTURES["ddp, 3 ranks, 3 experts, top-1, accum 2, clip"]
+    steps = FP64_JOB["steps"] + 4
+    run = run_in_process("single", [*fp64(seed, steps=steps, clip=clip), *flags,
+                                    f"--checkpoint={tmp_path / 'moe.pt'}"], tmp_path)
+    assert "resumed from" in run[0]
+    assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=steps, clip=clip, **oracle)
+
+
+def test_a_checkpoint_of_another_mixture_is_refused_in_one_line(tmp_path, capsys):
+    """--top-k shapes no weight: the weights of a top-1 mixture would load into a top-2 one
+    and train another model. The file says what it was."""
+    flags, _ = moe(3, 1)
+    run_in_process("single", [*flags, "--steps=1", f"--checkpoint={tmp_path / 'c.pt'}"], tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        run_in_process("single", [*moe(3, 2)[0], "--steps=2", f"--checkpoint={tmp_path / 'c.pt'}"],
+                       tmp_path)
+    assert "saved with --experts 3 --top-k 1" in str(refused.value)
+    assert (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.parametrize("script", ["dataparallel", "tp", "pipeline"])
+def test_scripts_that_train_the_dense_model_only_refuse_experts_in_one_line(script, capsys):
+    refused_in_one_line(script, ["--device=cpu", "--nproc=2", "--experts=4"]
+                        if script != "dataparallel" else ["--device=cpu", "--experts=4"],
+                        "trains the dense model only; use single.py", capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--experts=2", "--top-k=3"], "need 0 experts (dense), or at least --top-k of them"),
+    (["--experts=-1"], "need 0 experts (dense)"),
+    (["--experts=2", "--balance=nan"], "--balance nan: must be 0 or a positive"),
+])
+def test_bad_mixture_flags_are_refused_in_one_line(flags, message, capsys):
+    refused_in_one_line("single", ["--device=cpu", *flags], message, capsys)
+
+
+def test_the_dense_model_is_unchanged_by_the_mixtures_code():
+    """--experts 0 builds the blocks' `up` and `down` where they always were: the same
+    parameters, names and initial weights as before the mixture existed."""
+    torch.manual_seed(0)
+    dense = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
+    names = [name for name, _ in dense.named_parameters()]
+    assert not any("moe" in name for name in names) and "blocks.0.up.weight" in names
+    assert sum(p.numel() for p in SimpleModel().parameters()) == 204960
+
+
+def test_the_balancing_loss_is_1_when_balanced_and_e_when_one_expert_takes_every_token():
+    even = torch.tensor([[[5.0, 5.0], [5.0, 5.0]]])  # 2 experts, 10 tokens, top-1
+    assert common.balance_loss(even, top_k=1).item() == pytest.approx(1.0)
+    lopsided = torch.tensor([[[10.0, 0.0], [10.0, 0.0]]])
+    assert common.balance_loss(lopsided, top_k=1).item() == pytest.approx(2.0)
+
+
+def test_every_token_reaches_its_top_k_experts_dropless(tmp_path):
+    model = SimpleModel(16, 1, 2, experts=4, top_k=2).double()
+    x = torch.randint(32, (8, 16))
+    model(x)
+    counts = model.routed()[0, 0]
+    assert counts.sum().item() == 8 * 16 * 2
+    saved = tmp_path / "w.pt"
+    torch.save(model.state_dict(), saved)
+    assert load_saved(saved, SimpleModel(16, 1, 2, experts=4, top_k=2))
+
+
+def experts_line(stdout):
+    return next(line for line in stdout.splitlines() if line.startswith("experts |"))
+
+
+def test_the_tokens_each_expert_got_are_printed_and_are_one_devices(runs, tmp_path):
+    """The summary's last line counts the tokens routed to each expert over the run, every
+    rank's: on 3 ranks it prints what one device prints, token for token."""
+    name = "ddp, 3 ranks, 3 experts, top-1, accum 2, clip"
+    seed, clip, (flags, _) = MIXTURES[name]
+    one = run_in_process("single", [*fp64(seed, clip=clip), *flags], tmp_path)[0]
+    assert experts_line(succeeded(runs[0][name])[0]) == experts_line(one)
+    per_block = experts_line(one).split(": ")[1].split(" | ")[:JOB["blocks"]]
+    tokens = FP64_JOB["steps"] * FP64_JOB["batch_size"] * 16  # top-1: each token once
+    assert all(sum(map(int, block.split())) == tokens for block in per_block)
