@@ -835,6 +835,28 @@ def unloadable(error):
     return f"cannot be read ({type(error).__name__}); move it away or point elsewhere"
 
 
+def optimizer_share(full_state, full, held):
+    """The part of one device's Adam state_dict (`full_state`, whose parameters are numbered in
+    the order of the names `full`, a model's named_parameters) that belongs to the parameters
+    named `held` (a stage's, a rank's experts'), numbered from 0 in their order, as their
+    optimizer numbers them (pipeline.py, ep.py: a checkpoint of one device's shape, resumed
+    by ranks that hold slices of the model). `full` may be a model."""
+    if isinstance(full, nn.Module):
+        full = [name for name, _ in full.named_parameters()]
+    index = {name: i for i, name in enumerate(full)}
+    group = dict(full_state["param_groups"][0], params=list(range(len(held))))
+    return {"state": {i: full_state["state"][index[name]] for i, name in enumerate(held)},
+            "param_groups": [group]}
+
+
+def receive(like, src, device):
+    """A tensor shaped like `like` (and of its dtype), received from rank `src` through
+    `device` (NCCL sends GPU tensors only), returned on `like`'s device."""
+    received = torch.empty_like(like, device=device)
+    dist.recv(received, src=src)
+    return received.to(like.device)
+
+
 def train_state(args, step):
     """What a checkpoint holds besides the weights and the optimizer's state, for
     check_resumable: the step, and what the data order and the model depend on (the data

@@ -76,7 +76,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
 from common import positive, print0, save_atomic, seed_everything, train_state, unloadable
-from common import launch, launch_world, leave, rendezvous
+from common import launch, launch_world, leave, optimizer_share, receive, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -269,7 +269,8 @@ def train(args, rank, world_size, devices):
     start_step = 0
     if state is not None:
         # This rank's share of the file's Adam state, numbered as its own optimizer numbers it
-        optimizer.load_state_dict(optimizer_share(state["optimizer"], model, stages))
+        optimizer.load_state_dict(optimizer_share(
+            state["optimizer"], model, [name for s in stages for name, _ in s.named_parameters()]))
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
@@ -382,22 +383,6 @@ def gather_full_state(model, stages, optimizer, rank, device):
             adam[names.index(name)] = {key: receive(shapes[key], src, device) for key in keys}
     group = dict(own["param_groups"][0], params=list(range(len(names))))
     return weights, {"state": dict(sorted(adam.items())), "param_groups": [group]}
-
-
-def receive(like, src, device):
-    """A tensor shaped like `like`, received from rank `src`, on the CPU."""
-    received = torch.empty_like(like, device=device)
-    dist.recv(received, src=src)
-    return received.cpu()
-
-
-def optimizer_share(full, model, stages):
-    """The part of one device's Adam state_dict (`full`) that belongs to `stages`' parameters,
-    numbered from 0 in their order, as their optimizer numbers them."""
-    names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
-    mine = [names.index(name) for s in stages for name, _ in s.named_parameters()]
-    group = dict(full["param_groups"][0], params=list(range(len(mine))))
-    return {"state": {i: full["state"][j] for i, j in enumerate(mine)}, "param_groups": [group]}
 
 
 def save_checkpoint(args, weights, adam, step):

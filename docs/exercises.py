@@ -1,7 +1,7 @@
 """Measure the distances of docs/exercises.md: each mistake of the bug zoo (tests/test_zoo.py),
 and the correct script on the same flags, against one device, in fp32 and in fp64.
 
-    python docs/exercises.py       # minutes: 44 launches
+    python docs/exercises.py       # minutes: 60 launches
     python docs/exercises.py "TP group fed by rank"     # only the rows named
 
 Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 360, lr 0.03, hidden 24, 3 blocks of
@@ -45,6 +45,7 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "CP: loss averaged over a rank's own tokens": (2, [], 40),
     "CP ring: a hop skipped where its keys are masked": (4, ["--cp-method=ring", "--timeout=10"],
                                                          4),
+    **{name: (2, test_zoo.EP_FLAGS, 40) for name in test_zoo.MISTAKES if name.startswith("EP")},
 }
 
 
@@ -58,10 +59,12 @@ def main():
         clip = next((float(f.split("=")[1]) for f in extra if f.startswith("--clip=")), None)
         heads = next((int(f.split("=")[1]) for f in extra if f.startswith("--heads=")),
                      job["heads"])
+        moe = {key: int(f.split("=")[1]) for f in extra for key in ("experts", "top_k")
+               if f.startswith(f"--{key.replace('_', '-')}=")}
         for precision in ("fp32", "fp64"):
             _, oracle, losses = reference_train(**dict(job, steps=steps, heads=heads),
-                                                fp64=precision == "fp64", clip=clip)
-            exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads)
+                                                fp64=precision == "fp64", clip=clip, **moe)
+            exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads, **moe)
             row = []
             for kind in ("correct", "mistake"):
                 where = folder / f"{i}{precision}{kind}"

@@ -12,7 +12,7 @@ import torch
 from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep"]
 # Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has
 # imported torch already), all queued with the other launches when the tests are collected.
 # Model parallelism (pipeline.py --nproc 1) is proven on JOB by tests/test_pipeline.py.
@@ -24,6 +24,7 @@ LAUNCHED = {
     "python pipeline.py": [sys.executable, "pipeline.py", "--device=cpu"],  # starts 2 stages
     "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
     "python cp.py": [sys.executable, "cp.py", "--device=cpu"],  # starts 2 workers
+    "python ep.py": [sys.executable, "ep.py", "--device=cpu"],  # 2 workers, 2 experts each
     **{f"python {script}.py": [sys.executable, f"{script}.py", "--device=cpu"]
        for script in ("single", "dataparallel", "amp")},  # one process each
 }
@@ -73,8 +74,11 @@ def test_shared_flags_have_the_same_defaults_in_every_script(monkeypatch):
     shared = set.intersection(*(set(d) for d in defaults.values()))
     assert {"steps", "batch_size", "lr", "seed", "log_every", "eval_every", "hidden",
             "blocks", "heads", "device", "save"} <= shared
-    for key in shared:
+    # ep.py trains a mixture by default (a dense model has no experts to spread): 4, top-2
+    assert (defaults["ep"]["experts"], defaults["ep"]["top_k"]) == (4, 2)
+    for key in shared - {"experts", "top_k"}:
         assert len({repr(d[key]) for d in defaults.values()}) == 1, (key, defaults)
+    assert {(d["experts"], d["top_k"]) for name, d in defaults.items() if name != "ep"} == {(0, 1)}
     # amp.py's extra knob is off by default: its fp32 run is the others' run
     assert defaults["amp"]["clip"] == 0
 

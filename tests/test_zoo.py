@@ -1,4 +1,4 @@
-"""The bug zoo: seventeen classic mistakes, each made on purpose in a temporary copy of a script
+"""The bug zoo: twenty-one classic mistakes, each made on purpose in a temporary copy of a script
 (and of common.py, where the mistake is in the model), and each caught. The same list is the
 course's exercise sheet (docs/exercises.md): break the line, run the test, read the failure.
 
@@ -47,7 +47,8 @@ MISTAKES = {
         "                    loss = (loss + balance(model, args, dist.group.WORLD)) / "
         "args.accum_steps\n"
         "                with record_function(\"backward\"):\n",
-        "                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps\n"
+        "                loss = (loss + balance(model, args, dist.group.WORLD)) / "
+        "args.accum_steps\n"
         "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
         "                with record_function(\"backward\"):\n")]),
     "mean of per-rank validation means": ("ddp.py", [(
@@ -145,7 +146,24 @@ MISTAKES = {
         "        if source > me:  # \"a later rank's keys are all masked for my first chunk\"\n"
         "            continue  # ...and the exchange at the bottom of the loop goes with it\n"
         "        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):\n")]),
+    "EP: the balancing loss from each rank's own routing": ("ep.py", [(
+        "balance(model, args, dist.group.WORLD)", "balance(model, args)")]),
+    "EP: an expert's gradient averaged over its holders": ("ep.py", [(
+        "            g.copy_(summed.view_as(g) / world)\n",
+        "            g.copy_(summed.view_as(g) / (dist.get_world_size(group) if group "
+        "else world))\n"
+        )]),
+    "EP: the routers' gradients not summed across the ranks": ("ep.py", [(
+        "        grads = [p.grad for name, p in params if is_expert(name) == held]\n",
+        "        grads = [p.grad for name, p in params  # the router with the experts: \"MoE\"\n"
+        "                 if (is_expert(name) or \".router.\" in name) == held]\n")]),
+    "EP: the combine weights detached": ("ep.py", [(
+        "    share = weights.flatten()[order, None] * back\n",
+        "    share = weights.flatten()[order, None].detach() * back\n")]),
 }
+# The mixture of the EP mistakes (ep.py's default, spelled out for the oracle)
+EP_MIXTURE = {"experts": 4, "top_k": 2}
+EP_FLAGS = ["--experts=4", "--top-k=2"]
 
 # The mistakes that need several processes, launched together (name: ranks, flags).
 LAUNCHED = {
@@ -161,6 +179,7 @@ LAUNCHED = {
     "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
     "CP: positions not offset per piece": (2, fp64(SEED, steps=4)),
     "CP: loss averaged over a rank's own tokens": (2, [*fp64(SEED, steps=4), "--log-every=1"]),
+    **{name: (2, [*fp64(SEED, steps=4), *EP_FLAGS]) for name in MISTAKES if name.startswith("EP")},
 }
 
 
@@ -208,12 +227,12 @@ def launched():
             for i, (name, result) in enumerate(zip(LAUNCHED, results))}
 
 
-def distance(weights, steps=FP64_JOB["steps"], heads=JOB["heads"]):
-    """Max weight difference from the fp64 oracle on SEED (FP64_JOB, or `steps` steps); weights:
-    a state_dict, or the file a launched mistake saved."""
+def distance(weights, steps=FP64_JOB["steps"], heads=JOB["heads"], **moe):
+    """Max weight difference from the fp64 oracle on SEED (FP64_JOB, or `steps` steps; with
+    `moe`, the mixture's); weights: a state_dict, or the file a launched mistake saved."""
     if not isinstance(weights, dict):
         weights = load_saved(weights)
-    return max_diff(weights, fp64_reference(SEED, steps, heads=heads)[1])
+    return max_diff(weights, fp64_reference(SEED, steps, heads=heads, **moe)[1])
 
 
 def test_every_mistake_replaces_lines_the_real_script_holds_exactly_once(tmp_path):
@@ -409,6 +428,40 @@ def test_a_ring_that_skips_a_hop_on_some_ranks_fails_in_one_line_within_its_time
                          "a collective gave up" in line and "--timeout 2 s" in line
                          for line in lines), result.stderr
 
+
+
+def assert_an_ep_mistake_trains_and_misses_the_oracle(launched, name):
+    """An expert-parallel mistake that a loss curve does not show: it trains, and it ends away
+    from one device in float64."""
+    out, weights = launched[name]
+    assert logged_losses(out)[-1] < logged_losses(out)[0]
+    assert distance(weights, steps=4, **EP_MIXTURE) > FP64_TOL
+
+
+def test_an_ep_balancing_loss_from_each_ranks_routing_misses_the_oracle(launched):
+    """A product of means over this rank's tokens: not the loss of one device's micro-batch."""
+    assert_an_ep_mistake_trains_and_misses_the_oracle(
+        launched, "EP: the balancing loss from each rank's own routing")
+
+
+def test_an_expert_gradient_averaged_over_its_holders_is_ep_times_too_large(launched):
+    """Divided by the W/EP ranks that hold the expert, not by W: EP times one device's gradient
+    (pytorch/pytorch#160285's 2x at EP 2, where the loss curves looked alike)."""
+    assert_an_ep_mistake_trains_and_misses_the_oracle(
+        launched, "EP: an expert's gradient averaged over its holders")
+
+
+def test_routers_not_summed_across_the_ranks_drift_apart(launched):
+    """A router is replicated on every rank; summed over "dp" only, each rank's copy steps on
+    its own tokens' gradient and the copies part."""
+    assert_an_ep_mistake_trains_and_misses_the_oracle(
+        launched, "EP: the routers' gradients not summed across the ranks")
+
+
+def test_combine_weights_detached_leave_the_router_to_the_balancing_loss(launched):
+    """The router's probabilities weigh the experts' outputs; detached there, the loss no longer
+    teaches the router which experts help, only the balancing loss does."""
+    assert_an_ep_mistake_trains_and_misses_the_oracle(launched, "EP: the combine weights detached")
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

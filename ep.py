@@ -1,0 +1,405 @@
+"""Expert parallelism (EP): every rank holds some of each block's experts; tokens travel to them.
+
+What it teaches
+    A mixture of experts (--experts E, --top-k k, common.MoE) multiplies a block's feed-forward
+    weights by E while each token uses only k of them. EP spreads the experts: each of the EP
+    ranks of an "ep" group holds E/EP of every block's experts, and the rest of the model
+    (attention, norms, embeddings, head, routers) is replicated, as in DDP. Each rank routes
+    its own tokens; an all-to-all sends each token's hidden state to the rank that holds its
+    expert (dispatch, the counts exchanged first), the expert runs on what arrived, and a
+    second all-to-all brings the outputs back (combine), where they add up by the router's
+    weights, as on one device. With EP < W ranks the ranks form a grid of W/EP "dp" groups of
+    EP: each group holds every expert once and trains on its own shard of the batch.
+    Every gradient is summed over exactly the ranks that hold its parameter (an expert's over
+    "dp", the rest over all), then divided by W: the mistake that makes an expert's gradient
+    EP times too large while the loss curve looks right (pytorch/pytorch#160285) is one
+    divisor. The load-balancing loss takes every rank's routing: one device's micro-batch.
+    With the same global batch the result equals one device (single.py --experts E --top-k k):
+    the tests prove it in float64 to 1e-9.
+
+When to use it
+    A mixture of experts whose experts do not fit on every device, or whose all-reduce of every
+    expert's gradient over all ranks (DDP) costs more than moving the tokens: DeepSeek-V3,
+    Mixtral and Qwen-MoE are trained with it, beside data, tensor and pipeline parallelism.
+When not
+    A dense model (nothing to spread), or experts small enough that ddp.py's replicas hold
+    them: two all-to-alls per block each way cost more than DDP's one all-reduce here.
+
+Launch
+    python ep.py                           # its own workers: 4 experts over 2 ranks on a CPU
+    torchrun --nproc_per_node=2 ep.py      # what clusters use; same flags after the script
+    torchrun --nproc_per_node=4 ep.py --ep 2   # 2 "dp" groups x 2 ranks, 2 experts each
+    python ep.py --experts 6 --top-k 1 --nproc 2 --fp64   # 3 experts per rank, float64
+    # does it match one device? within 1e-9 of single.py --fp64 --experts 4 --top-k 2
+    Smallest hardware: any CPU (2 processes over gloo).
+
+What expert parallelism adds to data parallelism
+    diff ddp.py ep.py
+
+Docs
+    https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
+    docs/moe.md (the mixture, the balancing loss, capacity and why this one is dropless)
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+"""
+
+import datetime
+import functools
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import record_function
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
+from common import check_resumable, fail, held_bytes, loss_fn, print0
+from common import balance, save_atomic, seed_everything, train_state, unloadable
+from common import grid, launch, launch_world, leave, optimizer_share, positive, receive
+from common import rendezvous
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
+
+
+def parse_args(argv=None):
+    parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
+    # EP spreads experts, so it trains a mixture by default: 4 experts, each token to 2.
+    parser.set_defaults(experts=4, top_k=2)
+    parser.groups["hardware"].add_argument("--ep", type=positive(int), default=None, help=(
+        "ranks in each expert-parallel group, sharing every block's experts (default: all)"))
+    args = parser.parse_args(argv)
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    # torchrun's ranks, or the --nproc workers started here (common.py)
+    world_size = launch_world(parser, args)[0]
+    grid(parser, args, "--ep", world_size)  # --ep: all ranks by default; W/EP groups
+    if not args.experts or args.experts % args.ep:
+        parser.error(f"--ep {args.ep} must divide --experts {args.experts} (each rank holds "
+                     f"experts / ep of them); use --experts {args.ep * 2} or another --ep")
+    return args
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # which shard of the data this process trains on
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__)
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
+    print0(f"ep: {world_size} ranks = {world_size // args.ep} (dp) x {args.ep} (ep), "
+           f"{args.experts // args.ep} of {args.experts} experts each | backend {backend} | "
+           f"device {device.type} | torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def evaluate(model, dataset, rank, world_size, batch_size, device):
+    """The mean cross-entropy per token over the whole held-out set."""
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    # --- EP: evaluate a shard on each rank, then add the sums up ---
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    real = len(range(rank, len(dataset), world_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            real -= len(x)
+            # An EP forward is a collective (the all-to-alls): padded, every rank forwards as
+            # often, a rank out of samples with x[:0]
+            sums[0] += loss_fn(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # --- end ---
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+# --- EP: each rank holds some of every block's experts; tokens travel to them and back ---
+class AllToAll(torch.autograd.Function):
+    """Rows of x to every rank of `group` (`sent[r]` rows to rank r, in rank order); returns
+    the rows every rank sent here (`received[r]` from rank r). Backward: the gradients of the
+    rows go back the way the rows came, an all-to-all with the counts swapped."""
+
+    @staticmethod
+    def forward(ctx, x, received, sent, group):
+        ctx.received, ctx.sent, ctx.group = received, sent, group
+        out = x.new_empty(sum(received), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.sent), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return out, None, None, None
+
+
+def run_experts_ep(tokens, weights, chosen, moe, experts, group):
+    """MoE.run_experts across the ranks of `group`: rank r holds experts r x E/EP .. (r+1) x
+    E/EP - 1 (`moe.experts`, keyed by their global numbers). Each token's k slots go to the
+    ranks of their experts (dispatch), the experts run on what arrived, and the outputs come
+    back (combine), where they add up by the router's weights, as on one device."""
+    ranks, k = dist.get_world_size(group), chosen.shape[1]
+    slots = chosen.flatten()  # slot i: token i // k's choice
+    order = slots.argsort(stable=True)  # the slots by expert, so by the rank that holds it
+    per_expert = torch.bincount(slots, minlength=experts)  # the slots this rank sends each
+    # The counts first: each rank learns how many rows it will receive, for which expert.
+    incoming = torch.empty_like(per_expert)
+    dist.all_to_all_single(incoming, per_expert, group=group)
+    incoming = incoming.view(ranks, -1)  # (source rank, my expert): rows, grouped so
+    sent, received = per_expert.view(ranks, -1).sum(1).tolist(), incoming.sum(1).tolist()
+    rows = AllToAll.apply(tokens[order // k], received, sent, group)  # dispatch
+    mine = torch.tensor([int(e) for e in moe.experts], device=tokens.device)
+    expert_of_row = mine.repeat(ranks).repeat_interleave(incoming.flatten())
+    done = torch.zeros_like(rows)
+    for e, expert in moe.experts.items():
+        at = torch.where(expert_of_row == int(e))[0]
+        done = done.index_add(0, at, expert(rows[at]).to(done.dtype))
+    back = AllToAll.apply(done, sent, received, group)  # combine: in the order they were sent
+    share = weights.flatten()[order, None] * back
+    return torch.zeros_like(tokens).index_add(0, order // k, share.to(tokens.dtype))
+
+
+def hold_experts(model, mesh):
+    """Keep this rank's experts of every block, delete the others, and route each block's
+    tokens to them across mesh["ep"]."""
+    group, ep_rank, ep = mesh.get_group("ep"), mesh.get_local_rank("ep"), mesh["ep"].size()
+    for block in model.blocks.values():
+        experts = len(block.moe.experts)
+        for e in list(block.moe.experts):
+            if int(e) // (experts // ep) != ep_rank:
+                del block.moe.experts[e]
+        block.moe.run_experts = functools.partial(run_experts_ep, moe=block.moe,
+                                                  experts=experts, group=group)
+
+
+def is_expert(name):
+    return ".moe.experts." in name
+
+
+def sync_grads(model, mesh):
+    """Every gradient summed over exactly the ranks that hold its parameter, then divided by
+    the world size W: each rank's loss is the mean over its 1/W of the batch, so one device's
+    gradient is the W ranks' sum / W. The replicated parameters: over every rank. An expert:
+    its tokens' gradients came back through the all-to-all to the rank that holds it, from
+    its whole EP group; summed over "dp" (the W/EP ranks that hold it). Divided by W/EP
+    instead, an expert's gradient would be EP times too large."""
+    world = dist.get_world_size()
+    params = list(model.named_parameters())
+    for held, group in ((False, None), (True, mesh.get_group("dp"))):
+        grads = [p.grad for name, p in params if is_expert(name) == held]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g) / world)
+
+
+def clip_grads(model, mesh, max_norm):
+    """clip_grad_norm_ of the whole gradient: the replicated parameters' squares (the same on
+    every rank) and the experts', added up over the EP group (each rank holds others)."""
+    params = list(model.named_parameters())
+    squares = [sum(p.grad.pow(2).sum() for name, p in params if is_expert(name) == held)
+               for held in (False, True)]
+    dist.all_reduce(squares[1], group=mesh.get_group("ep"))
+    norm = (squares[0] + squares[1]).sqrt()
+    torch.nn.utils.clip_grads_with_norm_([p for _, p in params], max_norm, norm)
+    return norm
+# --- end ---
+
+
+def train(args, rank, world_size, device):
+    """Train; return the full model's weights (on rank 0, with --save), the final loss and the
+    final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
+    dtype = torch.float64 if args.fp64 else torch.float32
+    seed_everything(args.seed)  # every rank builds the same full model before the cut
+    model = SimpleModel.from_args(args).to(device, dtype)
+    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    compile_and_checkpoint(model.blocks.values(), args)
+    full = [name for name, _ in model.named_parameters()]  # one device's, for checkpoints
+    # Into the full model, before the cut: every rank then starts from its slice of the file.
+    state = load_checkpoint(args, model) if args.checkpoint else None
+    # --- EP: the ranks as a grid, each holding its share of every block's experts ---
+    # On `device`: W/EP rows ("dp") of EP ranks ("ep"), row-major: an EP group on one machine.
+    mesh = init_device_mesh(device.type, (world_size // args.ep, args.ep),
+                            mesh_dim_names=("dp", "ep"))
+    hold_experts(model, mesh)
+    # --- end ---
+    # After the cut: the optimizer holds this rank's parameters only.
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    start_step = 0
+    if state is not None:
+        # This rank's share of the file's Adam state, numbered as its own optimizer numbers it
+        optimizer.load_state_dict(optimizer_share(
+            state["optimizer"], full, [name for name, _ in model.named_parameters()]))
+        start_step = state["step"]
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
+
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    # --- DDP: shard the data ---
+    # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
+    # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    micro_batch = args.batch_size // (world_size * args.accum_steps)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # --- end ---
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    profiler = Profiler(args.profile, rank, device)  # does nothing without --profile
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            # Without set_epoch every epoch replays epoch 0's order (the seed never moves).
+            sampler.set_epoch(epoch)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            with record_function("forward"):
+                loss = loss_fn(model(x), y)
+                # MoE: its balancing loss over every rank's routing, one device's micro-batch
+                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
+            with record_function("backward"):
+                loss.backward()  # no wrapper: the gradients stay this rank's, summed below
+            loss_sum += loss.detach()
+        with record_function("optimizer step"):
+            # --- EP: every gradient over exactly the ranks that hold it, once per step ---
+            sync_grads(model, mesh)
+            # --clip: the whole gradient's norm, the experts' over the EP group (clip_grads)
+            grad_norm = clip_grads(model, mesh, args.clip or float("inf"))
+            # --- end ---
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+        profiler.step()
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # A collective: every rank reaches it, at steps that depend on the step only.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused(), record_function("evaluation"):
+                val_loss = evaluate(model, val_set, rank, world_size,
+                                    args.batch_size // world_size, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            # Rank 0 gathers the experts it lacks and writes single.py's file: it resumes on
+            # any EP degree, or in single.py. A collective: every rank takes part.
+            with meter.paused():
+                weights, adam = gather_full_state(model, optimizer, full, mesh)
+                if rank == 0:
+                    save_checkpoint(args, weights, adam, step + 1)
+    profiler.stop()
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
+                         state_bytes=held_bytes(model, optimizer)))
+    weights = gather_full_state(model, optimizer, full, mesh)[0] if args.save else None
+    return weights, final_loss, val_loss
+
+
+ADAM = ("step", "exp_avg", "exp_avg_sq")  # Adam's state per parameter
+
+
+def gather_full_state(model, optimizer, full, mesh):
+    """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
+    None on the others). The ranks of rank 0's EP group send it their experts' weights and
+    Adam's tensors, as plain tensors in their parameters' order: rank 0 knows every name
+    (`full`, the full model's) and every shape (all experts have its own experts' shapes)."""
+    own = optimizer.state_dict()["state"]
+    held = {name: [p.detach(), *(own[i][key] for key in ADAM)]
+            for i, (name, p) in enumerate(model.named_parameters())}
+    device = next(model.parameters()).device
+    if mesh.get_local_rank("dp") > 0:  # another copy of the experts: rank 0's group suffices
+        return None, None
+    if mesh.get_local_rank("ep") > 0:
+        for name, tensors in held.items():
+            if is_expert(name):
+                for tensor in tensors:
+                    dist.send(tensor.contiguous().to(device), dst=0)
+        return None, None
+    per_rank = len(next(iter(model.blocks.values())).moe.experts)
+    for src in range(1, mesh["ep"].size()):  # in each sender's parameter order
+        for name in full:
+            parts = name.split(".")  # blocks.B.moe.experts.E.up.weight
+            if is_expert(name) and int(parts[4]) // per_rank == src:
+                like = held[".".join([*parts[:4], "0", *parts[5:]])]  # expert 0: rank 0's
+                held[name] = [receive(tensor, src, device) for tensor in like]
+    weights = {name: held[name][0].cpu() for name in full}
+    adam = {i: dict(zip(ADAM, (t.cpu() for t in held[name][1:]))) for i, name in enumerate(full)}
+    group = dict(optimizer.state_dict()["param_groups"][0], params=list(range(len(full))))
+    return weights, {"state": adam, "param_groups": [group]}
+
+
+def save_checkpoint(args, weights, adam, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": weights, "optimizer": adam,
+                 **train_state(args, step)}, args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model):
+    """Read --checkpoint into the full model if it exists (return its state, or None if there
+    is none); a bad one stops with one line and is left as it was."""
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    return state
+
+
+def run(args):
+    """What each process does: set up, train, save."""
+    rank, world_size, device = setup(args)
+    weights, _, _ = train(args, rank, world_size, device)
+    if args.save and rank == 0:
+        # Every expert, gathered on rank 0: SimpleModel's own keys, loads with strict=True
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
+    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+
+
+if __name__ == "__main__":
+    main()
