@@ -69,18 +69,27 @@ def fp64(seed, steps=FP64_JOB["steps"], clip=None):
     return ["--fp64", *(f"--{k.replace('_', '-')}={v}" for k, v in job.items())]
 
 
+def moe(experts, top_k, accum=1):
+    """The flags of a mixture of experts (and --accum-steps, which its balancing loss depends
+    on), and the oracle's matching keywords (fp64_reference, assert_fp64_run_equals_...)."""
+    flags = [f"--experts={experts}", f"--top-k={top_k}", f"--accum-steps={accum}"]
+    return flags, dict(experts=experts, top_k=top_k, accum=accum)
+
+
 @functools.lru_cache(maxsize=None)
 def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"], experts=0,
                    top_k=1, accum=1):
-    """The oracle's (initial, final weights, losses, gradient norms) for FP64_JOB on `seed`,
+    """The oracle's (initial, final weights, losses, gradient norms, and with experts the tokens
+    each got, or None) for FP64_JOB on `seed`,
     in float64, clipped to `clip` if given, with `heads` heads (tensor parallelism needs a
     count its degree divides); with `experts`, the mixture of experts (top_k, and the
     load-balancing loss per micro-batch of `accum`)."""
     from reference import reference_train
-    norms = []
+    norms, routed = [], []
     return (*reference_train(**{**JOB, **FP64_JOB, "steps": steps, "seed": seed,
                                 "heads": heads}, fp64=True, clip=clip, norms=norms,
-                             experts=experts, top_k=top_k, accum=accum), norms)
+                             experts=experts, top_k=top_k, accum=accum, routed=routed), norms,
+            routed[0] if routed else None)
 
 # One rule for every strategy and device: the saved weights are within TOL of the oracle's
 # (tests/reference.py: one device, one batch per step, on the CPU) after JOB. Another summation
@@ -558,7 +567,7 @@ def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], c
     every number it prints is one device's, to the digits printed."""
     from reference import reference_val_loss
     out, weights = run
-    _, expected, losses, norms = fp64_reference(seed, steps, clip, heads, **moe)
+    _, expected, losses, norms, routed = fp64_reference(seed, steps, clip, heads, **moe)
     assert all(w.dtype == torch.float64 for w in weights.values())
     diff = max_diff(weights, expected)
     print(f"fp64 run: max weight difference {diff:.2e} from the fp64 oracle")  # pytest -s
@@ -571,6 +580,13 @@ def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], c
         assert loss == pytest.approx(losses[step - 1], abs=1e-6), f"loss of step {step}"
     if clip:
         assert min(norms) > clip  # so the clip acted at every step
+    # The summary's count of the tokens each expert got over the run: one device's (a resumed
+    # run counts its own steps only)
+    if routed is not None and "resumed from" not in out:
+        line = next(line for line in out.splitlines() if line.startswith("experts |"))
+        printed = [[int(n) for n in block.split()] for block in
+                   line.split(": ")[1].split(" | ")[:len(routed)]]
+        assert printed == routed.round().long().tolist()
 
 
 def assert_norms_are_the_oracles(stdout, norms, rel=NORM_RTOL):

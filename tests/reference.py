@@ -28,7 +28,8 @@ def moe_balance_loss(model, top_k):
 
 
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
-                    fp64=False, norms=None, experts=0, top_k=1, balance=0.01, accum=1):
+                    fp64=False, norms=None, experts=0, top_k=1, balance=0.01, accum=1,
+                    routed=None):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (the scripts' --clip).
@@ -41,7 +42,8 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     fp64: everything in float64, from the fp32 initial weights and data cast (as --fp64 does).
     experts, top_k, balance: a mixture of experts in every block (--experts, --top-k), trained
     on each of `accum` micro-batches' loss plus `balance` x its load-balancing loss (which,
-    unlike the cross-entropy, depends on how the batch is cut: --accum-steps).
+    unlike the cross-entropy, depends on how the batch is cut: --accum-steps); routed: if a
+    list, the tokens each expert got, (blocks, experts), over the whole run, appended at the end.
     """
     dtype = torch.float64 if fp64 else torch.float32
     torch.manual_seed(seed)
@@ -50,7 +52,7 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     x, y = make_dataset().tensors  # token ids: integers in any precision
     steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
-    losses = []
+    losses, tokens = [], 0
     for step in range(steps):
         epoch, k = divmod(step, steps_per_epoch)
         if k == 0:  # a fresh permutation each epoch, drawn from seed + epoch
@@ -61,6 +63,7 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
             loss = 0.0
             for micro in batch.chunk(accum):
                 part = token_loss(model(x[micro]), y[micro])
+                tokens = tokens + torch.stack([b.moe.routed[0] for b in model.blocks.values()])
                 part = (part + balance * moe_balance_loss(model, top_k)) / accum
                 part.backward()
                 loss += part.detach()
@@ -83,6 +86,8 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
             norms.append(norm.item())
         optimizer.step()
         losses.append(loss.item())
+    if routed is not None and experts:
+        routed.append(tokens.detach())
     return initial, model.state_dict(), losses
 
 

@@ -11,7 +11,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      max_diff, needs_2_gpus, needs_cuda, ok, refused_in_one_line, succeeded,
+                      max_diff, moe, needs_2_gpus, needs_cuda, ok, refused_in_one_line, succeeded,
                       summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -27,11 +27,13 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python cp.py`; extra 
     # all-gather, 3 micro-batches per step, through blocks that recompute their activations
     # (and so gather K and V again in backward); `python cp.py` starting its own workers is
     # tests/test_defaults.py's
-    "fp64, 2 ranks, cp 2, accum 3, AC, CUDA's Adam": (2, [
-        CUDA_DEFAULTS, *fp64(SEED_B), "--accum-steps=3", "--activation-checkpointing"]),
+    # ... and a mixture of 4 experts, top-2 (tests/test_moe.py): every token's experts on its
+    # own rank, the balancing loss over both ranks' routing
+    "fp64, 2 ranks, cp 2, 4 experts, top-2, accum 3, AC, CUDA's Adam": (2, [
+        CUDA_DEFAULTS, *fp64(SEED_B), *moe(4, 2, 3)[0], "--activation-checkpointing"]),
 }
-FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
-             zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
+FP64_RUNS = {name: (seed, clip, mixture) for name, seed, clip, mixture in zip(
+    list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None), ({}, moe(4, 2, 3)[1]))}
 
 
 early_launches = early_runs("cp.py", RUNS)  # queued when the tests are collected
@@ -56,8 +58,8 @@ def test_fp64_ring_and_allgather_with_accumulation_clipping_and_ac_equal_the_fp6
         name, runs):
     """Weights to 1e-9, and every printed loss, gradient norm and validation loss to the
     digits printed (conftest.assert_fp64_run_equals_the_fp64_oracle)."""
-    seed, clip = FP64_RUNS[name]
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
+    seed, clip, mixture = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **mixture)
 
 
 def test_fp64_checkpoint_of_cp_4_resumes_as_dp_2_x_cp_2_and_as_cp_2(runs, tmp_path):

@@ -13,7 +13,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       JOB, TOL, VAL_TOL, assert_fp64_run_equals_the_fp64_oracle,
                       assert_gpu_run_equals_oracle, assert_norms_are_the_oracles, assert_profiled,
                       early_runs, fails_clearly, fp32_reference, fp64, launched_runs, load_saved,
-                      logged_losses, logged_val_losses, max_diff, needs_2_gpus, needs_cuda, ok,
+                      logged_losses, logged_val_losses, max_diff, moe, needs_2_gpus, needs_cuda, ok,
                       python, refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
                       torchrun)
 from reference import reference_val_loss, token_loss
@@ -32,12 +32,16 @@ RUNS = {
     "fp64, 3 ranks, accum 3, AC, zero1": (3, [*fp64(SEED_A), "--accum-steps=3",
                                                        "--activation-checkpointing", "--zero1",
                                                        "--checkpoint={folder}/ckpt.pt"]),
-    # `python ddp.py` starts 4, which clip the gradient at every step, with CUDA's defaults
-    "fp64, spawn 4 ranks, clip, CUDA's Adam": (None, [CUDA_DEFAULTS, "--nproc=4",
-                                                     *fp64(SEED_B, clip=FP64_CLIP)]),
+    # `python ddp.py` starts 4, which clip the gradient at every step, with CUDA's defaults,
+    # training a mixture of 3 experts, top-1 (tests/test_moe.py), over 3 micro-batches: its
+    # balancing loss takes the 4 ranks' routing (one device's micro-batch)
+    "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (None, [
+        CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]]),
 }
-FP64_RUNS = {"fp64, 3 ranks, accum 3, AC, zero1": (SEED_A, None),
-             "fp64, spawn 4 ranks, clip, CUDA's Adam": (SEED_B, FP64_CLIP)}  # name: (seed, clip)
+FP64_RUNS = {  # name: (seed, clip, the oracle's mixture)
+    "fp64, 3 ranks, accum 3, AC, zero1": (SEED_A, None, {}),
+    "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (SEED_B, FP64_CLIP,
+                                                                   moe(3, 1, 3)[1])}
 
 
 early_launches = early_runs("ddp.py", RUNS)  # queued when the tests are collected
@@ -77,9 +81,10 @@ def test_zero1_on_2_ranks_equals_one_device_and_holds_8_plus_8_over_2_bytes_per_
 def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_zero1_or_clipping_equals_the_fp64_oracle(
         name, runs):
     """40 steps, four epochs, lr 0.01, two seeds: within 1e-9, and the exact validation loss
-    (on 3 ranks the held-out set pads; the test below shows what a naive average would do)."""
-    seed, clip = FP64_RUNS[name]
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
+    (on 3 ranks the held-out set pads; the test below shows what a naive average would do);
+    on 4 ranks a mixture of experts, its balancing loss and token counts one device's."""
+    seed, clip, mixture = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **mixture)
 
 
 def test_logged_loss_is_the_whole_batch_loss_averaged_over_ranks(runs):

@@ -1,6 +1,6 @@
 """ep.py: the experts spread over the ranks, tokens sent to them by all-to-all, trains to one
-device's weights (single.py with the same mixture) in float64; its checkpoint resumes on
-another EP degree and in single.py; the tokens each expert got are one device's."""
+device's weights (single.py with the same mixture) in float64, the tokens each expert got
+included; its checkpoint resumes on another EP degree and in single.py."""
 
 import shutil
 
@@ -8,9 +8,8 @@ import pytest
 
 from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB_FLAGS,
                       assert_fp64_run_equals_the_fp64_oracle, early_runs, fp64, launch,
-                      launched_runs, load_saved, needs_2_gpus, needs_cuda, ok, ranks_cmd,
+                      launched_runs, load_saved, moe, needs_2_gpus, needs_cuda, ok, ranks_cmd,
                       refused_in_one_line, run_in_process, succeeded, torchrun)
-from test_moe import experts_line, moe
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
@@ -39,13 +38,6 @@ def runs():
 def test_fp64_expert_parallel_run_equals_the_fp64_oracle(name, runs):
     _, _, seed, clip, (_, oracle) = MIXTURES[name]
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **oracle)
-
-
-def test_each_expert_got_the_tokens_it_gets_on_one_device(runs, tmp_path):
-    name = "dp 2 x ep 2, 6 experts, top-2, accum 3, clip"
-    _, _, seed, clip, (flags, _) = MIXTURES[name]
-    one = run_in_process("single", [*fp64(seed, clip=clip), *flags], tmp_path)[0]
-    assert experts_line(succeeded(runs[name])[0]) == experts_line(one)
 
 
 def test_fp64_checkpoint_from_ep_2_resumes_on_ep_4_and_in_single_py(runs, tmp_path):

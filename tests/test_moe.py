@@ -2,41 +2,26 @@
 one device's weights in float64, the load-balancing loss included, and every script that does
 not refuses it in one line. The dense model (--experts 0, the default) is every other test's."""
 
-import shutil
-
 import pytest
 import torch
 
 import common
 from common import SimpleModel
 from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, assert_fp64_run_equals_the_fp64_oracle,
-                      early_results, fp64, load_saved, refused_in_one_line, run_commands,
+                      early_results, fp64, load_saved, moe, refused_in_one_line, run_commands,
                       run_in_process, succeeded)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
 
-def moe(experts, top_k, accum=1):
-    """The flags of a mixture, and the oracle's matching keywords."""
-    flags = [f"--experts={experts}", f"--top-k={top_k}", f"--accum-steps={accum}"]
-    return flags, dict(experts=experts, top_k=top_k, accum=accum)
-
-
-# script: {name: (ranks, flags)}: launched early, each on FP64_JOB with a mixture, on flags
-# nobody chose: odd expert counts, k = 1 and 2, accumulation (which the balancing loss, unlike
-# the cross-entropy, depends on), clipping, and a checkpoint another script continues. (The
-# spawned path, `python ddp.py`, and k = 2 over ranks: tests/test_ep.py and fsdp's run here.)
-MIXTURES = {
-    "ddp, 3 ranks, 3 experts, top-1, accum 2, clip": (SEED_A, FP64_CLIP, moe(3, 1, accum=2)),
-    "fsdp, 2 ranks, 5 experts, top-2, clip": (SEED_A, FP64_CLIP, moe(5, 2)),
-    "cp, 2 ranks, 4 experts, top-1, accum 2": (SEED_B, None, moe(4, 1, accum=2)),
-}
-RUNS = {"ddp.py": {}, "fsdp.py": {}, "cp.py": {}}
-for name, (seed, clip, (flags, _)) in MIXTURES.items():
-    script, ranks = name.split(",")[0] + ".py", int(name.split(",")[1].split()[-2])
-    RUNS[script][name] = (ranks, [
-        *fp64(seed, clip=clip), *flags,
-        *(["--checkpoint={folder}/moe.pt"] if name.startswith("ddp, 3") else [])])
+# Launched early, on FP64_JOB with a mixture, on flags nobody chose. The others that train a
+# mixture are proven where their dense runs are: ddp.py (4 ranks spawned, 3 experts, top-1,
+# 3 micro-batches, clipped) in tests/test_ddp.py, cp.py (2 ranks, 4 experts, top-2, 3
+# micro-batches, AC) in tests/test_cp.py, ep.py in tests/test_ep.py (with a checkpoint that
+# single.py resumes), single.py and amp.py below.
+MIXTURES = {"fsdp, 2 ranks, 5 experts, top-2, clip": (SEED_A, FP64_CLIP, moe(5, 2))}
+RUNS = {"fsdp.py": {name: (2, [*fp64(seed, clip=clip), *flags])
+                    for name, (seed, clip, (flags, _)) in MIXTURES.items()}}
 
 
 def early_launches(folder):
@@ -64,18 +49,6 @@ def test_fp64_mixture_of_experts_on_one_device_equals_the_fp64_oracle(script, ex
     flags, oracle = moe(3, 2, accum=2)
     run = run_in_process(script, [*fp64(SEED_B, clip=FP64_CLIP), *flags, *extra], tmp_path)
     assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, clip=FP64_CLIP, **oracle)
-
-
-def test_fp64_mixture_checkpoint_from_3_ranks_resumes_in_single_py(runs, tmp_path):
-    """A file written by ddp.py's 3 ranks at the end of FP64_JOB: single.py continues it for 4
-    more steps, to the oracle's weights after FP64_JOB + 4 steps."""
-    shutil.copy(runs[1] / "moe.pt", tmp_path / "moe.pt")
-    seed, clip, (flags, oracle) = MIXTURES["ddp, 3 ranks, 3 experts, top-1, accum 2, clip"]
-    steps = FP64_JOB["steps"] + 4
-    run = run_in_process("single", [*fp64(seed, steps=steps, clip=clip), *flags,
-                                    f"--checkpoint={tmp_path / 'moe.pt'}"], tmp_path)
-    assert "resumed from" in run[0]
-    assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=steps, clip=clip, **oracle)
 
 
 def test_a_checkpoint_of_another_mixture_is_refused_in_one_line(tmp_path, capsys):
@@ -138,13 +111,11 @@ def experts_line(stdout):
     return next(line for line in stdout.splitlines() if line.startswith("experts |"))
 
 
-def test_the_tokens_each_expert_got_are_printed_and_are_one_devices(runs, tmp_path):
+def test_the_tokens_each_expert_got_are_printed_and_add_up_to_every_tokens_k_slots(runs):
     """The summary's last line counts the tokens routed to each expert over the run, every
-    rank's: on 3 ranks it prints what one device prints, token for token."""
-    name = "ddp, 3 ranks, 3 experts, top-1, accum 2, clip"
-    seed, clip, (flags, _) = MIXTURES[name]
-    one = run_in_process("single", [*fp64(seed, clip=clip), *flags], tmp_path)[0]
-    assert experts_line(succeeded(runs[0][name])[0]) == experts_line(one)
-    per_block = experts_line(one).split(": ")[1].split(" | ")[:JOB["blocks"]]
-    tokens = FP64_JOB["steps"] * FP64_JOB["batch_size"] * 16  # top-1: each token once
+    rank's: each token's k slots once. (That they are one device's counts, token for token,
+    every fp64 proof checks: assert_fp64_run_equals_the_fp64_oracle.)"""
+    out = succeeded(runs[0]["fsdp, 2 ranks, 5 experts, top-2, clip"])[0]
+    per_block = experts_line(out).split(": ")[1].split(" | ")[:JOB["blocks"]]
+    tokens = FP64_JOB["steps"] * FP64_JOB["batch_size"] * 16 * 2  # top-2: each token twice
     assert all(sum(map(int, block.split())) == tokens for block in per_block)
