@@ -475,22 +475,22 @@ def run_as_only_rank(script, flags, folder):
 def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed, clip=None,
                                             heads=JOB["heads"]):
     """Continue each of `checkpoints` ({(ranks, extra flags): path}, written at the end of
-    FP64_JOB on `seed`, clipped to `clip`; or {...: (path, seed, clip)} for a run of its own)
-    for 8 more steps, on that many ranks, all at once. Each must say where it resumed and end
-    within FP64_TOL of the fp64 oracle's weights after as many uninterrupted steps, with its
-    exact validation loss."""
+    FP64_JOB on `seed`, clipped to `clip`; or {...: (path, seed, clip[, the oracle's mixture])}
+    for a run of its own) for 8 more steps, on that many ranks, all at once. Each must say
+    where it resumed and end within FP64_TOL of the fp64 oracle's weights after as many
+    uninterrupted steps, with its exact validation loss."""
     steps = FP64_JOB["steps"]
-    runs = {key: value if isinstance(value, tuple) else (value, seed, clip)
+    runs = {key: (*value, {})[:4] if isinstance(value, tuple) else (value, seed, clip, {})
             for key, value in checkpoints.items()}
     resumed = launch_together([
         ranks_cmd(nproc, script, *JOB_FLAGS, *fp64(seed_, steps + 8, clip_), *extra,
                      f"--checkpoint={path}", f"--save={folder / f'w{i}.pt'}")
-        for i, ((nproc, *extra), (path, seed_, clip_)) in enumerate(runs.items())])
-    for i, (result, (_, seed_, clip_)) in enumerate(zip(resumed, runs.values())):
+        for i, ((nproc, *extra), (path, seed_, clip_, _)) in enumerate(runs.items())])
+    for i, (result, (_, seed_, clip_, mixture)) in enumerate(zip(resumed, runs.values())):
         out = ok(result)
         assert "resumed from" in out and f"at step {steps}" in out
         assert_fp64_run_equals_the_fp64_oracle((out, load_saved(folder / f"w{i}.pt")), seed_,
-                                               steps + 8, clip_, heads)
+                                               steps + 8, clip_, heads, **mixture)
 
 
 def succeeded(run):

@@ -6,21 +6,20 @@ import shutil
 
 import pytest
 
-from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB_FLAGS,
+from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, JOB_FLAGS,
                       assert_fp64_run_equals_the_fp64_oracle, early_runs, fp64, launch,
                       launched_runs, load_saved, moe, needs_2_gpus, needs_cuda, ok, ranks_cmd,
                       refused_in_one_line, run_in_process, succeeded, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
-# name: (ranks, flags, seed, clip, the oracle's mixture). fp64 on flags nobody chose: EP 2 and
-# 4, a grid of 2 "dp" groups x EP 2, an odd expert count per rank (3), k = 1 and 2,
-# accumulation, clipping, and a checkpoint that another EP degree continues.
+# name: (ranks, flags, seed, clip, the oracle's mixture). fp64 on flags nobody chose: EP 2, a
+# grid of 2 "dp" groups x EP 2, an odd expert count per rank (3), k = 1 and 2, accumulation,
+# clipping, and a checkpoint that EP 4 (one expert per rank) and single.py continue.
 MIXTURES = {
     "ep 2, 4 experts, top-2, accum 3, clip": (2, ["--ep=2"], SEED_A, FP64_CLIP, moe(4, 2, 3)),
-    "ep 4, 4 experts, top-1": (4, [], SEED_B, None, moe(4, 1)),
-    "dp 2 x ep 2, 6 experts, top-2, accum 3, clip": (4, ["--ep=2"], SEED_B, FP64_CLIP,
-                                                     moe(6, 2, 3)),
+    "dp 2 x ep 2, 6 experts, top-1, accum 3, clip": (4, ["--ep=2"], SEED_B, FP64_CLIP,
+                                                     moe(6, 1, 3)),
 }
 RUNS = {name: (ranks, [*flags, *fp64(seed, clip=clip), *mixture[0],
                        *(["--checkpoint={folder}/ep.pt"] if name.startswith("ep 2") else [])])
@@ -61,6 +60,17 @@ def test_fp64_checkpoint_from_ep_2_resumes_on_ep_4_and_in_single_py(runs, tmp_pa
             run = ok(result), load_saved(saved)
         assert "resumed from" in run[0]
         assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=steps, clip=clip, **oracle)
+
+
+def test_the_tokens_each_expert_got_are_printed_and_add_up_to_every_tokens_k_slots(runs):
+    """The summary's last line counts the tokens routed to each expert over the run, every
+    rank's: each token's k slots once. (That they are one device's counts, token for token,
+    every fp64 proof checks: assert_fp64_run_equals_the_fp64_oracle.)"""
+    out = succeeded(runs["ep 2, 4 experts, top-2, accum 3, clip"])[0]
+    line = next(line for line in out.splitlines() if line.startswith("experts |"))
+    per_block = line.split(": ")[1].split(" | ")[:JOB["blocks"]]
+    tokens = FP64_JOB["steps"] * FP64_JOB["batch_size"] * 16 * 2  # top-2: each token twice
+    assert all(sum(map(int, block.split())) == tokens for block in per_block)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -18,9 +18,9 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       JOB_FLAGS, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, early_runs, fp32_reference,
-                      fp64, launch_together, launched_runs, logged_losses, max_diff, needs_cuda, ok,
-                      refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss, torchrun,
-                      torchrun_cmd)
+                      fp64, launch_together, launched_runs, logged_losses, max_diff, moe,
+                      needs_cuda, ok, refused_in_one_line, run_as_only_rank, succeeded,
+                      summary_val_loss, torchrun, torchrun_cmd)
 
 # bf16 compute, fp32 reduction and weights: the final loss measured 4.9e-6 from fp32's, relative
 # (docs/proofs.md).
@@ -28,6 +28,8 @@ BF16_REL_TOL = 0.01
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
+MIXTURE = moe(5, 2)
+HSDP = "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam, 5 experts, top-2"
 RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python fsdp.py`; extra flags)
     # fp32, what users run: the short job; also writes a sharded checkpoint every 4 steps,
     # which the damaged-checkpoint tests below break in every way
@@ -43,13 +45,14 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python fsdp.py`; extr
     # tp.py's spawn run, the same lines; each process costs seconds of CPU)
     # `python fsdp.py --nproc 4`: HSDP, 2 replicas each sharded in 2, the gathered weights kept
     # from forward to backward (ZeRO-2's trade), clipped by the norm of the whole gradient; its
-    # checkpoint (step 40) is continued as plain FSDP on 2 ranks
-    "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam": (None, [
-        CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), "--replicate=2",
-        "--reshard-after-forward=false", "--checkpoint={folder}/hsdp"]),
+    # checkpoint (step 40) is continued as plain FSDP on 2 ranks; it trains a mixture of 5
+    # experts, top-2 (tests/test_moe.py): each rank routes its own tokens, the balancing loss
+    # over all 4 ranks' routing
+    HSDP: (None, [CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *MIXTURE[0],
+                  "--replicate=2", "--reshard-after-forward=false", "--checkpoint={folder}/hsdp"]),
 }
-FP64_RUNS = {"fp64, 3 ranks, accum 3, AC": (SEED_A, None),  # name: (seed, clip)
-             "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam": (SEED_B, FP64_CLIP)}
+FP64_RUNS = {"fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),  # name: (seed, clip, mixture)
+             HSDP: (SEED_B, FP64_CLIP, MIXTURE[1])}
 
 
 early_launches = early_runs("fsdp.py", RUNS)  # queued when the tests are collected
@@ -82,9 +85,10 @@ def test_fsdp_on_2_ranks_equals_one_device_in_fp32(runs, reference_val):
 def test_fp64_fsdp_on_3_ranks_and_hsdp_2x2_clipped_equal_the_fp64_oracle(
         name, runs):
     """Reductions in float64 too (MixedPrecisionPolicy's reduce_dtype follows the weights):
-    within 1e-9 after 40 steps at lr 0.01, on two seeds."""
-    seed, clip = FP64_RUNS[name]
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip)
+    within 1e-9 after 40 steps at lr 0.01, on two seeds; the HSDP run's mixture, its
+    balancing loss and the tokens each expert got included."""
+    seed, clip, mixture = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **mixture)
 
 
 def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_collectives_of_every_step(
@@ -131,11 +135,11 @@ def test_fp64_checkpoints_of_fsdp_and_hsdp_resume_on_2_ranks_as_each_other(runs,
     # what a crash in the middle of writing step 44 leaves: a folder `latest` does not name
     (tmp_path / "c2" / "step_00000044").mkdir()
     (tmp_path / "c2" / "step_00000044" / "__0_0.distcp").write_bytes(b"half a shard")
-    hsdp = runs["fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam"][1].parent \
-        / "hsdp"
+    hsdp = runs[HSDP][1].parent / "hsdp"
     assert_checkpoints_resume_to_the_oracle("fsdp.py", {
         (2, "--replicate=2"): tmp_path / "c2",
-        (2, "--reshard-after-forward=false"): (hsdp, SEED_B, FP64_CLIP)}, tmp_path, SEED_A)
+        (2, "--reshard-after-forward=false", *MIXTURE[0]): (hsdp, SEED_B, FP64_CLIP, MIXTURE[1])},
+        tmp_path, SEED_A)
 
 
 def test_sharded_checkpoint_becomes_one_plain_file_that_loads_into_simplemodel(runs, tmp_path):
