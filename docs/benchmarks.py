@@ -1,6 +1,6 @@
 """Run the performance comparisons of docs/performance.md and print their tables.
 
-    python docs/benchmarks.py            # every table, every repetition (~15 minutes, 2 cores)
+    python docs/benchmarks.py            # every table, every repetition (~17 minutes, 2 cores)
     python docs/benchmarks.py checkpointing   # one table (9 minutes here, on 2 cores)
     python docs/benchmarks.py tp ddp     # only these tables
     python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
@@ -196,8 +196,74 @@ def compiled(reps=1):
           rows)
 
 
+def ep(reps=3, batch=128):
+    """ep.py against ddp.py on the same mixture (4 experts, top-2) at 2 ranks: samples/s of
+    each, alternating, every repetition; then one --profile run of each: a step's time and the
+    part of it in collectives (gloo:... events of rank 0's trace, docs/figures.py's reading),
+    and the training state each rank holds."""
+    from figures import trace_rows  # docs/figures.py: needs docs/requirements.txt
+    mixture = ["--experts=4", "--top-k=2"]
+    rows = []
+    for i in range(reps):
+        (d, _), = rates(torchrun(2, "ddp.py", batch, *mixture))
+        (e, _), = rates(torchrun(2, "ep.py", batch, *mixture))
+        rows.append([str(i + 1), f"{d:.0f}", f"{e:.0f}", f"{e / d:.0%}"])
+    table(f"EP against DDP on a mixture of 4 experts, top-2, 2 ranks, batch {batch} "
+          "(samples/s)", ["repetition", "DDP", "EP", "EP / DDP"], rows)
+    medians([[batch, *row[1:]] for row in rows], 3)
+    rows = []
+    for script in ("ddp.py", "ep.py"):
+        folder = os.path.join(REPO, f".benchmark-trace-{script}")
+        (_, line), = rates(torchrun(2, script, batch, *mixture, f"--profile={folder}"))
+        spans, step = trace_rows(folder)[0]
+        comm = sum(dur for name, _, dur, kind in spans if kind == "communication")
+        count = sum(1 for _, _, _, kind in spans if kind == "communication")
+        state = re.search(r"state ([0-9.]+ MiB/rank)", line).group(1)
+        rows.append([script, f"{step:.1f}", f"{comm:.1f} ({comm / step:.0%})", str(count), state])
+        subprocess.run(["rm", "-rf", folder], check=True)
+    table("Where a step goes (rank 0, one profiled step)", [
+        "script", "step (ms)", "in collectives (ms)", "collectives per step",
+        "training state per rank"], rows)
+
+
+def alltoall(steps=8):
+    """Bytes ep.py's all-to-alls carry per step, counted from --profile traces (the tensor each
+    gloo:all_to_all was given, every rank's, over the 3 recorded steps), against the formula:
+    per block, dispatch and combine in forward and again in backward, each N x k rows of the
+    hidden size (N: the step's tokens in an EP group, every rank's), plus the counts (E
+    int64 per rank) once per forward. ep.py's defaults: 2 ranks, 4 experts, top-2, batch 64,
+    hidden 64, 4 blocks, fp32."""
+    import json
+    folder = os.path.join(REPO, ".benchmark-trace-alltoall")
+    subprocess.run([*TORCHRUN, "--nproc_per_node=2", "ep.py", "--device=cpu",
+                    f"--steps={steps}", f"--profile={folder}"], cwd=REPO, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    size = {"float": 4, "double": 8, "long int": 8, "c10::BFloat16": 2, "c10::Half": 2}
+    counted, calls = 0, 0
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            for e in json.load(f)["traceEvents"]:
+                if e.get("ph") == "X" and e["name"] in ("gloo:all_to_all", "nccl:all_to_all"):
+                    rows, cols = (e["args"]["Input Dims"][0] + [1])[:2]
+                    counted += rows * cols * size[e["args"]["Input type"][0]]
+                    calls += 1
+    subprocess.run(["rm", "-rf", folder], check=True)
+    counted, calls = counted / 3, calls / 3  # the Profiler records 3 steps
+    blocks, hidden, experts, k, ranks, tokens = 4, 64, 4, 2, 2, 64 * 16
+    hidden_bytes = blocks * 4 * tokens * k * hidden * 4
+    count_bytes = blocks * ranks * experts * 8
+    table("ep.py's all-to-alls per step, both ranks together (python ep.py's defaults)",
+          ["all-to-alls per step (counted)", "bytes per step (counted)",
+           "formula: blocks x 4 x N x k x hidden x 4 B", "+ counts: blocks x ranks x E x 8 B",
+           "formula total"],
+          [[f"{calls:.0f}", f"{counted:,.0f}", f"{hidden_bytes:,}", f"{count_bytes:,}",
+            f"{hidden_bytes + count_bytes:,}"]])
+
+
 TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
-          "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled}
+          "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled,
+          "ep": ep, "alltoall": alltoall}
 
 if __name__ == "__main__":
     import torch

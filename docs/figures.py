@@ -1,7 +1,7 @@
 """Make the README's pictures from real runs of the scripts: nothing here is drawn by hand.
 
     pip install -r docs/requirements.txt
-    python docs/figures.py            # every figure into docs/ (some 70 runs: the longest here)
+    python docs/figures.py            # every figure into docs/ (some 120 runs: the longest here)
     python docs/figures.py --quick    # the same figures from shorter runs (what CI checks)
 
 proof.png      training and validation loss against step for every strategy on the tests' job,
@@ -11,6 +11,9 @@ drift.png      1 rank against 2 ranks over a long run, several seeds: where roun
                and where Adam amplifies it (docs/drift.md); in fp32 and in fp64.
 timeline.png   one training step of every rank, from `--profile` traces: compute and
                communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
+experts.png    the tokens each expert of a mixture (4 experts, top-2) receives over training, with
+               and without the load-balancing loss (--balance), from the summary line of a
+               chain of runs, each resuming the last one's checkpoint.
 timeline-gpu.png   the same from this machine's GPUs (python docs/figures.py --device cuda;
                on one GPU: 2 DDP ranks sharing it over gloo, FSDP on 1 rank, model
                parallelism); the GPU tests regenerate it (docs/gpu.md).
@@ -284,6 +287,56 @@ def timelines(folder, batch, device="cpu"):
                 dpi=110)
 
 
+def experts(steps, every, folder, coefficients=(0.0, 0.01, 0.1)):
+    """single.py --experts 4 --top-k 2 (ep.py's default mixture; ep.py's counts are its own,
+    token for token: tests/test_ep.py) for `steps`, in a chain of runs of `every` steps, each
+    resuming the last one's --checkpoint: a resumed run's summary counts the tokens its own
+    steps routed, so each link gives one interval's load. Per --balance coefficient, each
+    link's (blocks, experts) counts; the coefficients run two at a time."""
+    def chain(coefficient):
+        counts, ckpt = [], os.path.join(folder, f"experts{coefficient}.pt")
+        for end in range(every, steps + 1, every):
+            out = launch([sys.executable], "single.py", [
+                "--experts=4", "--top-k=2", f"--balance={coefficient}", f"--steps={end}",
+                f"--checkpoint={ckpt}", "--log-every=1000", "--eval-every=1000"])
+            line = next(x for x in out.splitlines() if x.startswith("experts |"))
+            counts.append([[int(n) for n in block.split()]
+                           for block in line.split(": ")[1].split(" | ")[:-1]])
+        return torch.tensor(counts, dtype=torch.float64)  # (links, blocks, experts)
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        loads = dict(zip(coefficients, pool.map(chain, coefficients)))
+    ends = list(range(every, steps + 1, every))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for coefficient, counts in loads.items():
+        busiest = (counts.max(-1).values / counts.mean(-1)).max(-1).values
+        label = f"--balance {coefficient:g}" + (" (the default)" if coefficient == 0.01 else "")
+        left.plot(ends, busiest, marker="o", label=label)
+    left.axhline(1, color="gray", lw=0.8)
+    left.set(xlabel="step", ylabel="busiest expert / mean (the worst block)",
+             title=f"Load per {every} steps: 1 is even; 2, one expert in every top 2")
+    left.legend(fontsize=8)
+    block = 3  # the last block, where the load drifts furthest here
+    for coefficient, style in ((coefficients[0], "-"), (coefficients[-1], "--")):
+        shares = loads[coefficient][:, block] / loads[coefficient][:, block].sum(-1, keepdim=True)
+        for e in range(shares.shape[-1]):
+            right.plot(ends, shares[:, e], style, color=f"C{e}",
+                       label=f"expert {e}" if style == "-" else None)
+    right.axhline(0.25, color="gray", lw=0.8)
+    right.set(xlabel="step", ylabel="share of the block's token slots",
+              title=f"Block {block}: each expert's share; solid --balance {coefficients[0]:g}, "
+                    f"dashed {coefficients[-1]:g}")
+    right.set_ylim(0.1, None)  # room for the legend below the lines
+    right.legend(fontsize=7, ncol=4, loc="lower center")
+    fig.suptitle("Tokens per expert over training: single.py --experts 4 --top-k 2 (hidden 64, "
+                 f"4 blocks, batch 64, lr 0.003); {cpu_name()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "experts.png"), dpi=110)
+    return {c: (counts.max(-1).values / counts.mean(-1)).max(-1).values.tolist()
+            for c, counts in loads.items()}
+
+
 def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
@@ -311,10 +364,12 @@ def main():
             proof_finals, proof_finals64 = proof(8, [1, 8], folder)  # 8: the tests' horizon
             drift_finals = drift(60, [0, 1])
             timelines(folder, batch=16)
+            loads = experts(100, 50, folder)
         else:
             proof_finals, proof_finals64 = proof(64, [1, 4, 16, 64], folder)
             drift_finals = drift(1000, [0, 1, 2, 3])
             timelines(folder, batch=64)
+            loads = experts(400, 25, folder)
     print("max weight difference from one device at the last step:")
     for label, d in proof_finals.items():
         print(f"  {label}: {d:.1e}" + (f", with --fp64 {proof_finals64[label]:.1e}"
@@ -323,8 +378,11 @@ def main():
         marks = {s: d[s - 1] for s in (1, 10, 50, 150, 300, 1000, len(d)) if s <= len(d)}
         print(f"drift seed {seed} {precision}: " + ", ".join(f"step {s} {v:.1e}"
                                                             for s, v in marks.items()))
+    for coefficient, busiest in loads.items():
+        print(f"experts, --balance {coefficient:g}: busiest / mean per interval " +
+              " ".join(f"{b:.3f}" for b in busiest))
     print("wrote", ", ".join(os.path.join("docs", f) for f in ("proof.png", "drift.png",
-                                                                "timeline.png")))
+                                                                "timeline.png", "experts.png")))
 
 
 if __name__ == "__main__":
