@@ -13,26 +13,15 @@ What it teaches
       of the time.
     Both end with the same weights as one device with the same global batch (tests/), and
     write the same checkpoint as single.py: it resumes on any number of stages, or in single.py.
+    (`Pipe`, in many older guides, is gone since PyTorch 2.4: docs/torch-versions.md.)
 
-    `torch.distributed.pipeline.sync.Pipe`, which many guides still show, is gone since
-    PyTorch 2.4 (docs/torch-versions.md): torch.distributed.pipelining replaces it, one process
-    per stage, talking through torch.distributed, so stages can sit on different machines.
-
-    Schedules, 2 stages and 4 micro-batches, one time slot per forward (F) or backward (B):
-
-        t:          1   2   3   4   5   6   7   8   9   10
-        GPipe
-          stage 0:  F0  F1  F2  F3  .   .   B0  B1  B2  B3     all forwards, then all
-          stage 1:  .   F0  F1  F2  F3  B0  B1  B2  B3  .      backwards
-        1F1B
-          stage 0:  F0  F1  .   B0  F2  B1  F3  B2  .   B3     one forward, one backward
-          stage 1:  .   F0  B0  F1  B1  F2  B2  F3  B3  .      as soon as possible
-
-    Each stage idles p-1 of m+p-1 slots in each direction (the "." above): the bubble fraction
-    (p-1)/(m+p-1) = 1/5 here, so at best m/(m+p-1) = 80% of the ideal speed. More micro-batches
-    shrink the bubble. 1F1B has the same bubble but frees each micro-batch's activations as soon
-    as its backward has run: stage 0 holds at most p = 2 micro-batches of activations instead of
-    GPipe's m = 4, which is why 1F1B is the default choice for large m.
+    Schedules (--schedule; drawn and measured in docs/pipeline.md): gpipe runs all forwards,
+    then all backwards; 1f1b each backward as soon as it can, holding p micro-batches of
+    activations, not m. Each idles (p-1)/(m+p-1) of a step (the "bubble"; p stages, m
+    micro-batches). interleaved-1f1b runs V stages per rank (--stages-per-rank) in a loop:
+    a V times smaller bubble, for V times the sends. zero-bubble cuts each backward in two,
+    the inputs' gradient, which the stage before waits for, and the weights', which fills the
+    bubble. zbv and dualpipev run 2 stages per rank in a V.
 
 When to use it
     The model (with its optimizer state) does not fit on one device, and its layers can be cut
@@ -69,17 +58,23 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,
+                                          ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
-from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset
-from common import positive, print0, save_atomic, seed_everything, train_state, unloadable
+from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
+from common import positive, print0, save_atomic, seed_everything, torch_older_than, train_state
 from common import launch, launch_world, leave, optimizer_share, receive, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# --schedule: (torch's class, its stages per rank by default, placed in a V: docs/pipeline.md)
+SCHEDULES = {"gpipe": (ScheduleGPipe, 1, False), "1f1b": (Schedule1F1B, 1, False),
+             "interleaved-1f1b": (ScheduleInterleaved1F1B, 2, False),
+             "zero-bubble": (ScheduleInterleavedZeroBubble, 2, False),
+             "zbv": (ScheduleZBVZeroBubble, 2, True), "dualpipev": (ScheduleDualPipeV, 2, True)}
 
 
 def parse_args(argv=None):
@@ -89,8 +84,10 @@ def parse_args(argv=None):
                       "(model parallelism; default: one per GPU, or 2); else one per rank")
     pipe.add_argument("--microbatches", type=positive(int), default=None,
                       help="micro-batches per step, the pipeline's accumulation (default 4)")
-    pipe.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
+    pipe.add_argument("--schedule", choices=list(SCHEDULES), default=None,
                       help="order of the micro-batches' forwards and backwards (default gpipe)")
+    pipe.add_argument("--stages-per-rank", type=positive(int), default=None, help="virtual "
+                      "stages per rank (default: 1 for gpipe and 1f1b, else 2)")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here: a stage each (common.py)
@@ -102,23 +99,40 @@ def parse_args(argv=None):
 def check_stages(parser, args, world_size, gpus):
     """One process driving every stage (model parallelism), or one stage per rank: its checks."""
     if world_size == 1:  # no schedule to ask for
-        for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule)):
+        for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
+                            ("--stages-per-rank", args.stages_per_rank)):
             if value is not None:
                 parser.error(f"{flag}: one process (model parallelism) runs no pipeline "
                              "schedule; drop it, or run the stages on 2 or more ranks")
         args.stages = args.stages or min(max(gpus, 2), args.blocks)
-    elif args.stages not in (None, world_size):
-        parser.error(f"--stages {args.stages}: with {world_size} ranks every rank is a stage; "
-                     "drop --stages, or use --nproc 1 for stages in one process")
+    elif args.stages is not None:
+        parser.error(f"--stages {args.stages}: with {world_size} ranks the stages are the ranks "
+                     "x --stages-per-rank; drop --stages, or use --nproc 1 for stages in one "
+                     "process")
     else:
-        args.stages, args.microbatches = world_size, args.microbatches or 4
-        args.schedule = args.schedule or "gpipe"
-        if args.batch_size % args.microbatches:
-            parser.error(f"--microbatches {args.microbatches} must divide --batch-size "
-                         f"{args.batch_size} (micro-batches of equal size); pick a divisor")
-        if args.schedule == "1f1b" and args.microbatches < world_size:
-            parser.error(f"--schedule 1f1b needs --microbatches >= stages ({world_size}); "
-                         f"use --microbatches {world_size} or more")
+        args.schedule, m = args.schedule or "gpipe", args.microbatches or 4
+        _, per_rank, v_shaped = SCHEDULES[args.schedule]
+        v = args.stages_per_rank = args.stages_per_rank or per_rank
+        args.stages, args.microbatches, rounds = world_size * v, m, max(1, m // world_size)
+        if (per_rank == 1 or v_shaped) and v != per_rank:
+            parser.error(f"--stages-per-rank {v}: --schedule {args.schedule} runs {per_rank} "
+                         "per rank; interleaved-1f1b and zero-bubble run any number")
+        if args.batch_size % m:
+            parser.error(f"--microbatches {m} must divide --batch-size {args.batch_size} "
+                         "(micro-batches of equal size); pick a divisor")
+        if args.schedule in ("1f1b", "dualpipev") and m < args.stages:
+            parser.error(f"--schedule {args.schedule} needs --microbatches >= stages "
+                         f"({args.stages}); use --microbatches {args.stages} or more")
+        if per_rank > 1 and not v_shaped and m % rounds:  # rounds of one micro-batch per rank
+            parser.error(f"--microbatches {m}: --schedule {args.schedule} runs rounds of "
+                         f"{world_size} (the ranks); use {world_size * rounds}")
+        if v_shaped and not gpus and torch_older_than(2, 13):  # gloo: 2.10 and 2.11 fail
+            parser.error(f"--schedule {args.schedule}: the gloo of torch {torch.__version__} "
+                         "cannot send to its own rank, as a V's two stages on one rank do at "
+                         "start; use torch 2.13 or later, GPUs (NCCL), or interleaved-1f1b")
+        if args.compile and args.schedule in ("zero-bubble", "zbv", "dualpipev"):
+            parser.error(f"--compile: --schedule {args.schedule} splits each backward in two, "
+                         "which torch.compile does not support; use interleaved-1f1b")
     if args.stages > args.blocks:  # each stage holds a block (and the ends)
         parser.error(f"{args.stages} stages but --blocks {args.blocks}: every stage needs a "
                      f"block; use --blocks {args.stages} or more, or fewer stages")
@@ -148,7 +162,8 @@ def setup(args):
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     if world_size > 1:
-        print0(f"pipeline: {world_size} stages | schedule {args.schedule} | "
+        print0(f"pipeline: {world_size} ranks x {args.stages_per_rank} stages | schedule "
+               f"{args.schedule} | "
                f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
                f"torch {torch.__version__}")
         return rank, world_size, [device]
@@ -169,8 +184,7 @@ def cut(model, stage, stages):
 
     Deleting from a full copy keeps the full model's parameter names ("blocks.3.up.weight"),
     so the stages' state_dicts are slices of the full one and merge back with a dict update.
-    (A model too big for one device is built on the "meta" device first and each stage then
-    materializes only its own part: the same cut, without the memory.)
+    (A model too big for one device is built on "meta" and each stage materializes its part.)
     """
     part = copy.deepcopy(model)
     names = list(part.blocks.keys())
@@ -185,38 +199,46 @@ def cut(model, stage, stages):
     return part
 
 
-def evaluate(stages, dataset, rank, world_size, devices, batch_size, hidden, dtype):
+def placement(args, world_size):
+    """The rank of each stage: all in this process (model parallelism); else in a loop, rank r
+    running stages r, r + W, ... (one each with gpipe and 1f1b); or in a V (zbv, dualpipev):
+    rank r runs r and 2W - 1 - r, so the last stage, and the loss, sit with the first."""
+    if world_size == 1:
+        return [0] * args.stages
+    if SCHEDULES[args.schedule][2]:
+        return [min(i, 2 * world_size - 1 - i) for i in range(args.stages)]
+    return [i % world_size for i in range(args.stages)]
+
+
+def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
     """The mean cross-entropy per token over the whole held-out set, the same on every rank
-    (a collective: forward only, stage by stage)."""
+    (a collective: forward only, stage by stage). `owner[i]`: the rank of stage i."""
     for stage_module in stages:
         stage_module.eval()  # no dropout or BatchNorm here, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # every rank: the same batches, in order
     sums = torch.zeros(2, dtype=torch.float64, device=devices[-1])  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            if world_size == 1:
-                for stage_module, device in zip(stages, devices):
-                    x = stage_module(x.to(device))
-            else:
+            mine = iter(zip(stages, devices * len(stages)))  # this rank's, in order
+            for i in (i for i, r in enumerate(owner) if r == rank):
+                stage_module, device = next(mine)
                 # --- Pipeline parallelism: forward only, activations handed on by hand ---
                 # What a schedule does underneath, by plain send/recv. No micro-batches: with
                 # no backward to overlap with, the stages simply work one after the other.
-                device = devices[0]
-                if rank == 0:
-                    x = x.to(device)
-                else:  # the previous stage's activations: (batch, sequence, hidden)
-                    x = torch.empty(*x.shape, hidden, device=device, dtype=dtype)
-                    dist.recv(x, src=rank - 1)
-                x = stages[0](x)
-                if rank < world_size - 1:
-                    dist.send(x, dst=rank + 1)
-                    continue  # only the last stage has outputs to score
+                if i > 0 and owner[i - 1] != rank:  # (batch, sequence, hidden) from before
+                    x = torch.empty(*x.shape[:2], hidden, device=device, dtype=dtype)
+                    dist.recv(x, src=owner[i - 1])
+                x = stage_module(x.to(device))
+                if i + 1 < len(owner) and owner[i + 1] != rank:
+                    dist.send(x, dst=owner[i + 1])
                 # --- end ---
+            if owner[-1] != rank:
+                continue  # only the last stage has outputs to score
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
             sums[0] += loss_fn(x, y.to(x.device), reduction="sum")
             sums[1] += y.numel()
-    if world_size > 1:
+    if len(set(owner)) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # the last stage's sums, to every rank
     for stage_module in stages:
         stage_module.train()
@@ -233,12 +255,14 @@ def train(args, rank, world_size, devices):
     model = SimpleModel.from_args(args).to(dtype)
     # Into the full model, before the cut: every stage then starts from its slice of the file.
     state = load_checkpoint(args, model) if args.checkpoint else None
+    owner = placement(args, world_size)
+    held = [i for i, r in enumerate(owner) if r == rank]  # this rank's stages, in order
     if world_size == 1:
         # --- Model parallelism: every stage in this process, each on its device ---
         stages = [cut(model, i, len(devices)).to(d) for i, d in enumerate(devices)]
         # --- end ---
     else:
-        stages = [cut(model, rank, world_size).to(devices[0])]  # this rank's stage only
+        stages = [cut(model, i, args.stages).to(devices[0]) for i in held]  # this rank's only
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint([block for stage_module in stages
                             for block in stage_module.blocks.values()], args)
@@ -250,19 +274,25 @@ def train(args, rank, world_size, devices):
         # not infer them by sending pickled objects between stages (docs/torch-versions.md).
         # Stage 0 takes token ids; the stages hand on (micro-batch, sequence, hidden), whose
         # gradient goes back (requires_grad); the last returns logits.
-        shape = (args.batch_size // args.microbatches, SEQ_LEN)
-        stage = PipelineStage(
-            stages[0], rank, world_size, device,
-            input_args=torch.empty(shape, device="meta", dtype=torch.long) if rank == 0 else
+        shape, last = (args.batch_size // args.microbatches, SEQ_LEN), args.stages - 1
+        pipe = [PipelineStage(
+            part, i, args.stages, device,
+            input_args=torch.empty(shape, device="meta", dtype=torch.long) if i == 0 else
             torch.empty(*shape, args.hidden, device="meta", dtype=dtype, requires_grad=True),
-            output_args=torch.empty(*shape, VOCAB if rank == world_size - 1 else args.hidden,
+            output_args=torch.empty(*shape, VOCAB if i == last else args.hidden,
                                     device="meta", dtype=dtype, requires_grad=True))
+            for i, part in zip(held, stages)]
         # loss_fn runs on the last stage, once per micro-batch, giving its *mean* loss: M such
         # backwards add up to M times the batch's gradient. scale_grads=True (the default,
         # spelled out) divides by M after the last backward: one device's gradient exactly.
-        schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
-                                            loss_fn=loss_fn, scale_grads=True)
-        is_first, is_last = rank == 0, rank == world_size - 1
+        # (Divide the loss by M yourself as well and the gradient is M times too small.)
+        # The zero-bubble schedules cut each backward in two, the inputs' gradient first (the
+        # previous stage waits for it), the weights' later, by autograd.grad on the stage: a
+        # wrapper's gradient hooks (DDP's, FSDP's) may not fire as in one backward.
+        schedule_class, per_rank, _ = SCHEDULES[args.schedule]
+        schedule = schedule_class(pipe[0] if per_rank == 1 else pipe, scale_grads=True,
+                                  n_microbatches=args.microbatches, loss_fn=loss_fn)
+        is_first, is_last = 0 in held, last in held  # a V puts both on rank 0
         # --- end ---
     # Each stage's optimizer sees only its own parameters; together they are one Adam.
     optimizer = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=args.lr)
@@ -307,12 +337,10 @@ def train(args, rank, world_size, devices):
             # --- Pipeline parallelism: one call runs the whole schedule ---
             # Micro-batches, every forward and backward in the schedule's order, sent on.
             losses = []  # (the schedule marks each micro-batch's "Forward i", "Backward i")
-            if is_first:
-                schedule.step(x.to(device))
-            elif is_last:
-                schedule.step(target=y.to(device), losses=losses)
-            else:
-                schedule.step()
+            # The first stage's rank feeds the inputs, the last stage's the targets.
+            inputs = [x.to(device)] if is_first else []
+            targets = dict(target=y.to(device), losses=losses) if is_last else {}
+            schedule.step(*inputs, **targets)
             # Equal micro-batches: the mean of their losses is the whole batch's loss.
             loss = (torch.stack(losses).mean().detach() if is_last
                     else torch.zeros((), device=device, dtype=dtype))
@@ -344,23 +372,23 @@ def train(args, rank, world_size, devices):
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             # every rank, at the same steps: it sends and receives
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(stages, val_set, rank, world_size, devices,
-                                    args.batch_size, args.hidden, dtype)
+                val_loss = evaluate(stages, owner, val_set, rank, devices, args.batch_size,
+                                    args.hidden, dtype)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Every rank sends its slice of the weights and of Adam's state to rank 0, which
             # writes single.py's file: it resumes on any number of stages, or in single.py.
-            weights, adam = gather_full_state(model, stages, optimizer, rank, devices[0])
+            weights, adam = gather_full_state(model, stages, owner, optimizer, rank, devices[0])
             if rank == 0:
                 save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss))
-    weights, _ = (gather_full_state(model, stages, optimizer, rank, devices[0]) if args.save
+    weights, _ = (gather_full_state(model, stages, owner, optimizer, rank, devices[0]) if args.save
                   else (None, None))
     return weights, final_loss, val_loss
 
 
-def gather_full_state(model, stages, optimizer, rank, device):
+def gather_full_state(model, stages, owner, optimizer, rank, device):
     """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
     None on the others, which send their slices). Plain tensor sends, not gather_object
     (pickles): rank 0 built the full model too, so it knows every slice's names and shapes."""
@@ -375,10 +403,11 @@ def gather_full_state(model, stages, optimizer, rank, device):
             dist.send(tensor.contiguous().to(device), dst=0)
         return None, None
     for src in range(1, dist.get_world_size()):
-        part = cut(model, src, dist.get_world_size())
-        for name, like in part.state_dict().items():
+        parts = [cut(model, i, len(owner)) for i, r in enumerate(owner) if r == src]
+        for name, like in [kv for part in parts for kv in part.state_dict().items()]:
             weights[name] = receive(like, src, device)
-        for name, p in part.named_parameters():  # in position order, as the sender sends
+        # in position order, as the sender sends
+        for name, p in [kv for part in parts for kv in part.named_parameters()]:
             shapes = {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
             adam[names.index(name)] = {key: receive(shapes[key], src, device) for key in keys}
     group = dict(own["param_groups"][0], params=list(range(len(names))))

@@ -78,7 +78,7 @@ def moe(experts, top_k, accum=1):
 
 @functools.lru_cache(maxsize=None)
 def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"], experts=0,
-                   top_k=1, accum=1):
+                   top_k=1, accum=1, blocks=JOB["blocks"]):
     """The oracle's (initial, final weights, losses, gradient norms, and with experts the tokens
     each got, or None) for FP64_JOB on `seed`,
     in float64, clipped to `clip` if given, with `heads` heads (tensor parallelism needs a
@@ -87,7 +87,7 @@ def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"],
     from reference import reference_train
     norms, routed = [], []
     return (*reference_train(**{**JOB, **FP64_JOB, "steps": steps, "seed": seed,
-                                "heads": heads}, fp64=True, clip=clip, norms=norms,
+                                "heads": heads, "blocks": blocks}, fp64=True, clip=clip, norms=norms,
                              experts=experts, top_k=top_k, accum=accum, routed=routed), norms,
             routed[0] if routed else None)
 
@@ -515,11 +515,12 @@ def fails_clearly(result, *needles):
 
 def load_saved(path, model=None):
     """Load a --save file the way a user would: weights_only, strict, into a fresh model (JOB's
-    SimpleModel, or `model`) of the file's dtype (a --fp64 file holds float64 tensors; a float32
+    SimpleModel with the file's blocks and experts, or `model`) of the file's dtype (a --fp64 file holds float64 tensors; a float32
     model would round them)."""
     weights = torch.load(path, weights_only=True)
     experts = len({key.split(".")[4] for key in weights if ".moe.experts." in key})
-    model = model or SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"], experts)
+    blocks = len({key.split(".")[1] for key in weights if key.startswith("blocks.")})
+    model = model or SimpleModel(JOB["hidden"], blocks, JOB["heads"], experts)
     model = model.to(next(iter(weights.values())).dtype)
     model.load_state_dict(weights, strict=True)
     return model.state_dict()
@@ -560,20 +561,21 @@ def reference():
 
 
 def assert_fp64_run_equals_the_fp64_oracle(run, seed, steps=FP64_JOB["steps"], clip=None,
-                                           heads=JOB["heads"], **moe):
+                                           heads=JOB["heads"], **model):
     """A --fp64 run (stdout, saved weights) on `seed` (clipped to `clip`, if given): float64
     weights within FP64_TOL of the fp64 oracle's, the printed validation loss the oracle's exact
     one (to its 6 decimals), and the loss and gradient norm of every logged step the oracle's:
-    every number it prints is one device's, to the digits printed."""
+    every number it prints is one device's, to the digits printed. `model`: the oracle's
+    model keywords where they are not JOB's (`blocks`; a mixture: conftest.moe)."""
     from reference import reference_val_loss
     out, weights = run
-    _, expected, losses, norms, routed = fp64_reference(seed, steps, clip, heads, **moe)
+    _, expected, losses, norms, routed = fp64_reference(seed, steps, clip, heads, **model)
     assert all(w.dtype == torch.float64 for w in weights.values())
     diff = max_diff(weights, expected)
     print(f"fp64 run: max weight difference {diff:.2e} from the fp64 oracle")  # pytest -s
     assert diff < FP64_TOL, f"max weight difference {diff:.2e} from the fp64 oracle"
-    exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], heads,
-                               moe.get("experts", 0), moe.get("top_k", 1))
+    exact = reference_val_loss(expected, JOB["hidden"], model.get("blocks", JOB["blocks"]),
+                               heads, model.get("experts", 0), model.get("top_k", 1))
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)
     assert_norms_are_the_oracles(out, norms, rel=1e-6)  # float64: to the digits printed
     for step, loss in logged_step_losses(out).items():  # 6 decimals
