@@ -126,10 +126,10 @@ def check_stages(parser, args, world_size, gpus):
         if per_rank > 1 and not v_shaped and m % rounds:  # rounds of one micro-batch per rank
             parser.error(f"--microbatches {m}: --schedule {args.schedule} runs rounds of "
                          f"{world_size} (the ranks); use {world_size * rounds}")
-        if v_shaped and not gpus and torch_older_than(2, 13):  # gloo: 2.10 and 2.11 fail
+        if v_shaped and not gpus and torch_older_than(2, 12):  # gloo 2.10, 2.11 (NCCL: unmeasured)
             parser.error(f"--schedule {args.schedule}: the gloo of torch {torch.__version__} "
                          "cannot send to its own rank, as a V's two stages on one rank do at "
-                         "start; use torch 2.13 or later, GPUs (NCCL), or interleaved-1f1b")
+                         "start; use torch 2.12 or later, or interleaved-1f1b")
         if args.compile and args.schedule in ("zero-bubble", "zbv", "dualpipev"):
             parser.error(f"--compile: --schedule {args.schedule} splits each backward in two, "
                          "which torch.compile does not support; use interleaved-1f1b")
