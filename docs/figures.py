@@ -11,6 +11,8 @@ drift.png      1 rank against 2 ranks over a long run, several seeds: where roun
                and where Adam amplifies it (docs/drift.md); in fp32 and in fp64.
 timeline.png   one training step of every rank, from `--profile` traces: compute and
                communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
+pipeline.png   every schedule of pipeline.py on 2 ranks, one step per rank, and its idle share
+               (the bubble) measured from the trace beside the theory's.
 experts.png    the tokens each expert of a mixture (4 experts, top-2) receives over training, with
                and without the load-balancing loss (--balance), from the summary line of a
                chain of runs, each resuming the last one's checkpoint.
@@ -233,9 +235,11 @@ def event_kind(name):
         return "communication"
     if name == "optimizer step":
         return "optimizer"
-    if name in ("forward", "aten::linear") or re.fullmatch(r"Forward \d+", name):
+    if name in ("forward", "aten::linear") or re.fullmatch(r"Forward \d+|PP:\d+F\d+", name):
         return "forward"
-    if name == "backward" or re.fullmatch(r"Backward \d+", name) or name.startswith(
+    if re.fullmatch(r"PP:\d+W\d+", name):  # a zero-bubble schedule's weights' gradient
+        return "weights"
+    if name == "backward" or re.fullmatch(r"Backward \d+|PP:\d+[BI]\d+", name) or name.startswith(
             "autograd::engine::evaluate_function"):
         return "backward"
     return None
@@ -285,6 +289,71 @@ def timelines(folder, batch, device="cpu"):
                bbox_to_anchor=(0.5, 0.935))
     fig.savefig(os.path.join(HERE, "timeline.png" if device == "cpu" else "timeline-gpu.png"),
                 dpi=110)
+
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
+
+
+def idle(path):
+    """A rank's idle share of the pipelined part of its recorded steps (each from its start to
+    its "optimizer step"), averaged: the time its main thread ran no operator. gloo's
+    send/recv events are left out: they span the transfer, done by gloo's own threads."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    shares = []
+    for step in (e for e in events if e["name"].startswith("ProfilerStep#")):
+        end = next(e["ts"] for e in events if e["name"] == "optimizer step"
+                   and step["ts"] <= e["ts"] < step["ts"] + step["dur"])
+        ops = sorted((e["ts"], min(e["ts"] + e["dur"], end)) for e in events
+                     if e.get("cat") == "cpu_op" and e["tid"] == step["tid"]
+                     and not e["name"].startswith("gloo:") and step["ts"] <= e["ts"] < end)
+        busy, reach = 0.0, step["ts"]
+        for start, stop in ops:  # the union of the intervals
+            busy += max(0.0, stop - max(start, reach))
+            reach = max(reach, stop)
+        shares.append(1 - busy / (end - step["ts"]))
+    return sum(shares) / len(shares)
+
+
+def schedules(folder, microbatches, batch):
+    """pipeline.py's schedules on 2 ranks (4 blocks: 1 stage per rank for gpipe and 1f1b,
+    else 2), --profile'd: each rank's middle step as a timeline, and its idle share beside
+    the theory's (p - 1) / (v m + p - 1), for p ranks, v stages per rank, m micro-batches."""
+    fig, axes = plt.subplots(len(SCHEDULES), 1, figsize=(11, 1.2 + 1.25 * len(SCHEDULES)))
+    colors = {"forward": "#4c72b0", "backward": "#55a868", "weights": "#c44e52"}
+    measured = {}
+    for ax, schedule in zip(axes, SCHEDULES):
+        out = os.path.join(folder, f"schedule-{schedule}")
+        launch([*TORCHRUN, "--nproc_per_node=2"], "pipeline.py", [
+            f"--schedule={schedule}", f"--microbatches={microbatches}", "--steps=8",
+            f"--batch-size={batch}", "--hidden=256", f"--profile={out}"])
+        v = 1 if schedule in ("gpipe", "1f1b") else 2
+        theory = 1 / (v * microbatches + 1) if v == 1 or schedule == "interleaved-1f1b" else None
+        measured[schedule] = ([idle(os.path.join(out, f"trace_rank{r}.json")) for r in (0, 1)],
+                              theory)
+        rows = trace_rows(out)
+        for rank, (spans, _) in rows.items():
+            for kind, color in colors.items():
+                bars = [(start, dur) for _, start, dur, k in spans if k == kind]
+                ax.broken_barh(bars, (rank - 0.35, 0.7), color=color)
+        ax.set_yticks(list(rows), [f"rank {r}" for r in rows])
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(total for _, total in rows.values()))
+        shares = ", ".join(f"rank {r} {share:.0%}" for r, share in enumerate(measured[schedule][0]))
+        ax.set_title(f"{schedule} ({v} stage{'s' * (v > 1)} per rank). Idle, of the pipelined "
+                     f"part: {shares}" + (f"; theory {theory:.0%}" if theory else ""),
+                     fontsize=9, loc="left")
+    axes[-1].set_xlabel("milliseconds since the start of the step (the optimizer step last)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, ["forward", "backward (the inputs' gradient, in zero-bubble ones)",
+                         "the weights' gradient (zero-bubble)"], fontsize=8, ncol=3,
+               loc="upper center", bbox_to_anchor=(0.5, 0.955))
+    fig.suptitle(f"pipeline.py's schedules, 2 ranks, {microbatches} micro-batches of "
+                 f"{batch // microbatches}, hidden 256, 4 blocks (torch.profiler, --profile; "
+                 f"{cpu_name()}, gloo, torch {torch.__version__})", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(os.path.join(HERE, "pipeline.png"), dpi=110)
+    return measured
 
 
 def experts(steps, every, folder, coefficients=(0.0, 0.01, 0.1)):
@@ -365,11 +434,13 @@ def main():
             drift_finals = drift(60, [0, 1])
             timelines(folder, batch=16)
             loads = experts(100, 50, folder)
+            bubbles = schedules(folder, 4, 16)
         else:
             proof_finals, proof_finals64 = proof(64, [1, 4, 16, 64], folder)
             drift_finals = drift(1000, [0, 1, 2, 3])
             timelines(folder, batch=64)
             loads = experts(400, 25, folder)
+            bubbles = schedules(folder, 8, 128)
     print("max weight difference from one device at the last step:")
     for label, d in proof_finals.items():
         print(f"  {label}: {d:.1e}" + (f", with --fp64 {proof_finals64[label]:.1e}"
@@ -381,8 +452,11 @@ def main():
     for coefficient, busiest in loads.items():
         print(f"experts, --balance {coefficient:g}: busiest / mean per interval " +
               " ".join(f"{b:.3f}" for b in busiest))
-    print("wrote", ", ".join(os.path.join("docs", f) for f in ("proof.png", "drift.png",
-                                                                "timeline.png", "experts.png")))
+    for schedule, (shares, theory) in bubbles.items():
+        print(f"pipeline {schedule}: idle " + ", ".join(f"{s:.1%}" for s in shares) +
+              (f" (theory {theory:.1%})" if theory else ""))
+    print("wrote", ", ".join(os.path.join("docs", f) for f in (
+        "proof.png", "drift.png", "timeline.png", "experts.png", "pipeline.png")))
 
 
 if __name__ == "__main__":

@@ -114,8 +114,8 @@ MISTAKES = {
         "    for block in model.blocks.values():\n"
         "        fully_shard(block, mesh=mesh, mp_policy=mp_policy,")]),
     "pipeline with scale_grads=False": ("pipeline.py", [(
-        "loss_fn=loss_fn, scale_grads=True)",
-        "loss_fn=loss_fn, scale_grads=False)")]),
+        "pipe, scale_grads=True,",
+        "pipe, scale_grads=False,")]),
     "clipping before unscale_": ("amp.py", [(
         "    scaler.unscale_(optimizer)\n"
         "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n",
