@@ -445,10 +445,11 @@ def launch_world(parser, args, width=None, own_gpus=True, data_parallel=True, st
         default = min(gpus or 2, args.blocks)
         hint = f"one stage per block; pass --blocks {gpus} to use all"
     else:
-        default = most_workers(gpus, args.batch_size, args.accum_steps, width)
+        accum = getattr(args, "accum_steps", 1)  # pipelines have micro-batches instead
+        default = most_workers(gpus, args.batch_size, accum, width)
         heads = f" (and --heads a multiple of {gpus})" if width is not None else ""
         hint = (f"the most that divide --batch-size {args.batch_size}; pass a multiple of "
-                f"{gpus * args.accum_steps}{heads} to use all")
+                f"{gpus * accum}{heads} to use all")
     world_size, local_world = ranks(args, default, gpus, hint)
     if own_gpus and use_cuda and local_world > gpus and "RANK" not in os.environ:
         # else setup() tells; DDP's fallback (gloo ranks sharing a GPU) does not carry over.

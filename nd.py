@@ -1,0 +1,428 @@
+"""N-D parallelism: pipeline (pp) x FSDP (dp) x tensor parallelism (tp) on one named mesh.
+
+What it teaches
+    A large job uses several techniques at once, each where its communication fits: TP inside
+    a machine (four activation all-reduces per block, on the fastest links), pipeline stages
+    across machines (only the activations at the cuts travel), and FSDP over the rest (one
+    all-gather and one reduce-scatter per block, overlapped). Here the W ranks form one
+    DeviceMesh of shape (pp, dp, tp), named, built once from --pp P and --tp T (dp = W/(P T)):
+    - "pp": the P ranks that hold the stages of one pipeline (pipeline.py's `cut`, V stages
+      per rank with --stages-per-rank, placed in a loop or a V), driven by any of its
+      schedules (--schedule);
+    - "tp": inside each stage, tp.py's plan cuts every block's matrices over T ranks;
+    - "dp": then fully_shard shards the TP pieces over the D pipelines, each of which trains
+      on its own 1/D of every batch.
+    Per stage, in this order: TP's plan, then fully_shard, then a PipelineStage (each step
+    says why at its line). With the same global batch the result equals one device: the tests
+    prove it in float64 to 1e-9 on 8 ranks (2 x 2 x 2), for every schedule.
+
+When to use it
+    A model too big for FSDP alone on the machines you have, with more GPUs than TP can use
+    inside one machine: TP 8 inside each machine, PP across a few of them, FSDP (dp) across
+    the rest, as torchtitan and Megatron-LM train Llama-class models. docs/planning.md sizes
+    such layouts for Llama 3 8B and 70B on 8 to 512 GPUs.
+When not
+    Anything that fits with fewer dimensions: each adds its own communication and its own
+    constraints (a bubble, batch and head counts to divide). Start from fsdp.py, add TP
+    (tp.py) when the layers are too big, PP when the machines are too many.
+
+Launch
+    torchrun --nproc_per_node=8 nd.py --pp 2 --tp 2    # 2 stages x 2 shards x 2 TP ranks
+    python nd.py --nproc 8 --pp 2 --tp 2 --schedule zbv --microbatches 4
+    python nd.py                 # its own 4 workers on a CPU: 2 stages x 2 TP ranks, dp 1
+    python nd.py --fp64 --nproc 8 --pp 2 --tp 2   # float64: within 1e-9 of single.py --fp64
+    # single.py's checkpoint file: resumes on another mesh, in pipeline.py or in single.py
+    torchrun --nproc_per_node=8 nd.py --pp 2 --tp 2 --checkpoint ckpt.pt
+    # 2 machines of 8 GPUs: TP inside each machine, the pipeline across them
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        nd.py --pp 2 --tp 8
+    Smallest hardware: any CPU (8 processes over gloo share its cores). On GPUs: NCCL, one
+    GPU per rank, every TP group inside one machine (the mesh's last dimension).
+
+What is added to the pipeline
+    diff pipeline.py nd.py: the mesh, then per stage tp.py's plan and FSDP (tp.parallelize)
+    before the PipelineStage; the orders are said at their lines, with the error each other
+    order gives.
+
+Docs
+    https://pytorch.org/docs/stable/distributed.pipelining.html
+    https://pytorch.org/docs/stable/distributed.tensor.parallel.html
+    https://github.com/pytorch/torchtitan (the same composition, at scale)
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+"""
+
+import datetime
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.profiler import record_function
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
+from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
+from common import positive, print0, save_atomic, seed_everything, train_state
+from common import launch, launch_world, leave, receive, rendezvous
+from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
+from tp import parallelize  # TP's plan, then fully_shard over "dp": tp.py's 2D, per stage
+
+
+def parse_args(argv=None):
+    parser = shared_parser(__doc__, accum=False, sharded=True, ranks=True, moe=False,
+                           nproc_help="workers to start without torchrun (default: --pp x --tp)")
+    hardware, pipe = parser.groups["hardware"], parser.add_argument_group("pipeline")
+    hardware.add_argument("--pp", type=positive(int), default=2, help="pipeline ranks")
+    hardware.add_argument("--tp", type=positive(int), default=2, help="ranks per TP group")
+    pipe.add_argument("--microbatches", type=positive(int), default=None,
+                      help="micro-batches per step, the pipeline's accumulation (default 4)")
+    pipe.add_argument("--schedule", choices=list(SCHEDULES), default=None,
+                      help="the pipeline's schedule (default gpipe; docs/pipeline.md)")
+    pipe.add_argument("--stages-per-rank", type=positive(int), default=None,
+                      help="virtual stages per pipeline rank (default: 1 for gpipe and 1f1b, "
+                           "else 2)")
+    parser.set_defaults(stages=None)  # pipeline.check_stages sets it: --pp x --stages-per-rank
+    args = parser.parse_args(argv)
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    # torchrun's ranks, or the --nproc workers started here (default: --pp x --tp of them)
+    args.nproc = args.nproc or args.pp * args.tp
+    world_size, local_world, gpus = launch_world(parser, args, data_parallel=False)
+    if args.pp < 2:
+        parser.error("--pp 1: no pipeline; use tp.py (FSDP x TP) or fsdp.py")
+    check_stages(parser, args, args.pp, gpus)  # pipeline.py's: schedule, stages, micro-batches
+    check_mesh(parser, args, world_size, local_world)
+    return args
+
+
+def check_mesh(parser, args, world_size, local_world):
+    """The mesh (pp, dp, tp): each a divisor of what it cuts, TP inside a machine."""
+    if world_size % (args.pp * args.tp):
+        parser.error(f"--pp {args.pp} x --tp {args.tp} must divide the world size {world_size} "
+                     f"(dp is the rest); use {args.pp * args.tp} ranks or a multiple")
+    if args.heads % args.tp:
+        parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
+                     f"whole heads); use --heads {args.heads * args.tp} or another --tp")
+    if local_world % args.tp:  # the mesh's last dimension: T consecutive ranks
+        parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would "
+                     f"span machines; use a --tp dividing {local_world}")
+    dp = world_size // (args.pp * args.tp)
+    if args.batch_size % (dp * args.microbatches):
+        parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} "
+                     f"pipeline(s) (dp) x --microbatches {args.microbatches}; use a multiple "
+                     f"of {dp * args.microbatches}")
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # its place in the mesh
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    store, backend = rendezvous(args, device, __file__)
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
+    print0(f"nd: {world_size} ranks = {args.pp} (pp) x {world_size // (args.pp * args.tp)} "
+           f"(dp) x {args.tp} (tp) | schedule {args.schedule}, {args.stages} stages, "
+           f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
+           f"torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def make_mesh(args, world_size, device):
+    """The one mesh, (pp, dp, tp) row-major, its dimensions named; refused in one line if a TP
+    group would span machines."""
+    # --- N-D: one mesh; its last dimension's ranks are consecutive, on one machine ---
+    # Row-major: a TP group is T consecutive ranks, which torchrun puts on one machine; a
+    # pipeline's stages are dp x tp ranks apart, across machines. The other order, tp first,
+    # would put TP's all-reduces, four per block each way, on the network.
+    dp = world_size // (args.pp * args.tp)
+    mesh = init_device_mesh(device.type, (args.pp, dp, args.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
+    # torchrun numbers ranks machine by machine: a group whose ranks // the ranks per machine
+    # differ spans machines. Checked, because the mesh's shape cannot tell its order.
+    per_machine = int(os.environ["LOCAL_WORLD_SIZE"])
+    group = mesh["tp"].mesh.flatten().tolist()
+    if len({r // per_machine for r in group}) > 1:
+        fail(f"nd.py: error: the TP group {group} spans machines of {per_machine} ranks: "
+             "build the mesh with \"tp\" last, (pp, dp, tp), so its ranks are consecutive")
+    # --- end ---
+    return mesh
+
+
+def evaluate(stages, owner, mesh, dataset, batch_size, hidden, device, dtype):
+    """The mean cross-entropy per token over the whole held-out set, the same on every rank:
+    each pipeline ("dp") on its shard, forward only, stage by stage (pipeline.py's way)."""
+    for stage_module in stages:
+        stage_module.eval()  # no dropout or BatchNorm here, but the model you copy this to may
+    pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+    me, dp_rank, dp_size = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), dp.size()
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a pipeline's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
+    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    real = len(range(dp_rank, len(dataset), dp_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            real -= len(x)
+            mine = iter(stages)
+            for i in (i for i, r in enumerate(owner) if r == me):
+                stage_module = next(mine)
+                # --- N-D: along "pp" by hand, as pipeline.py; TP's collectives inside ---
+                if i > 0 and owner[i - 1] != me:  # (batch, sequence, hidden) from before
+                    x = torch.empty(*x.shape[:2], hidden, device=device, dtype=dtype)
+                    dist.recv(x, src=dist.get_global_rank(pp, owner[i - 1]), group=pp)
+                x = stage_module(x)
+                if i + 1 < len(owner) and owner[i + 1] != me:
+                    dist.send(x.contiguous(), dst=dist.get_global_rank(pp, owner[i + 1]),
+                              group=pp)
+                # --- end ---
+            if owner[-1] == me:  # only the last stage has outputs to score
+                sums[0] += loss_fn(x, y, reduction="sum")
+                sums[1] += y.numel()
+    # Over "dp" (the pipelines' shards), then "pp" (to the stages without the loss); the T
+    # ranks of a TP group hold the same sums.
+    dist.all_reduce(sums, group=dp)
+    dist.all_reduce(sums, group=pp)
+    for stage_module in stages:  # free the weights FSDP's roots keep for no backward
+        for module in stage_module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        stage_module.train()
+    return (sums[0] / sums[1]).item()
+
+
+def train(args, rank, world_size, device):
+    """Train; return the full model's weights (on rank 0, with --save), the final loss and the
+    final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
+    dtype = torch.float64 if args.fp64 else torch.float32
+    seed_everything(args.seed)  # every rank builds the same full model before cutting it
+    model = SimpleModel.from_args(args).to(dtype)
+    # Into the full model, before the cut: every stage then starts from its slice of the file.
+    state = load_checkpoint(args, model) if args.checkpoint else None
+    mesh = make_mesh(args, world_size, device)
+    dp = mesh["dp"].size()
+    owner = placement(args, args.pp)  # stage i's "pp" rank: a loop, or a V (pipeline.py)
+    held = [i for i, r in enumerate(owner) if r == mesh.get_local_rank("pp")]
+    # --- N-D: each stage cut, then TP's plan over "tp", then FSDP over "dp", then the pipe ---
+    # Cut from the same full model on every rank: the same initial weights whatever the mesh.
+    # TP before fully_shard (tp.parallelize does both): the other order fails, "Cannot
+    # distribute a DTensor with device mesh ...". Both before the PipelineStage, which takes
+    # the stage as it will run, and before the optimizer, which must hold the final (sharded)
+    # parameters. FSDP takes each stage as one unit (shard_blocks=False): the zero-bubble
+    # schedules compute the weights' gradients after the backward that fires FSDP's per-block
+    # hooks, and the schedule's own final reduce (PipelineStage) then misses the blocks' ones:
+    # they stay None (torch 2.13). A stage is 1/P of the model, gathered whole while it runs.
+    stages = []
+    for i in held:
+        part = cut(model, i, args.stages).to(device)
+        compile_and_checkpoint(part.blocks.values(), args)  # per block, before any wrapper
+        stages.append(parallelize(part, mesh, shard_blocks=False))
+    # A PipelineStage talks along "pp" only (group=): its neighbours are the ranks with the same
+    # dp and tp coordinates. Each micro-batch is 1/(dp M) of the global batch.
+    shape, last = (args.batch_size // (dp * args.microbatches), SEQ_LEN), args.stages - 1
+    pipe = [PipelineStage(
+        part, i, args.stages, device, group=mesh.get_group("pp"),
+        input_args=torch.empty(shape, device="meta", dtype=torch.long) if i == 0 else
+        torch.empty(*shape, args.hidden, device="meta", dtype=dtype, requires_grad=True),
+        output_args=torch.empty(*shape, VOCAB if i == last else args.hidden, device="meta",
+                                dtype=dtype, requires_grad=True))
+        for i, part in zip(held, stages)]
+    # scale_grads: the M micro-batches' mean losses add up to M times the pipeline's gradient,
+    # divided by M here; FSDP then averages over "dp": one device's gradient. (Divided by M
+    # in loss_fn as well, it would be M times too small.) FSDP's hooks fire per micro-batch
+    # inside the schedule, also where a zero-bubble schedule splits the backward.
+    schedule_class, per_rank, _ = SCHEDULES[args.schedule]
+    schedule = schedule_class(pipe[0] if per_rank == 1 else pipe, scale_grads=True,
+                              n_microbatches=args.microbatches, loss_fn=loss_fn)
+    is_first, is_last = 0 in held, last in held
+    # After the cut, TP and FSDP. One Adam per stage (together one device's Adam): the
+    # state-dict API below names one module's parameters, and each stage is a module.
+    params = [p for part in stages for p in part.parameters()]
+    optimizers = [torch.optim.Adam(part.parameters(), lr=args.lr) for part in stages]
+    # --- end ---
+    start_step = 0
+    if state is not None:
+        # Each stage's pieces of the file's Adam state (one device's), keyed by parameter
+        # name: set_optimizer_state_dict cuts each as its parameter is cut (tp, then dp).
+        index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        for part, optimizer in zip(stages, optimizers):
+            named = [name for name, _ in part.named_parameters()]
+            full = {"state": {n: state["optimizer"]["state"][index[n]] for n in named},
+                    "param_groups": [dict(state["optimizer"]["param_groups"][0], params=named)]}
+            set_optimizer_state_dict(part, optimizer, full,
+                                     options=StateDictOptions(full_state_dict=True))
+        start_step = state["step"]
+        print0(f"resumed from {args.checkpoint} at step {start_step}")
+
+    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    # Every rank of one pipeline (its pp x tp ranks) walks the same batches: deal them over
+    # the D pipelines ("dp"), as tp.py deals them over its TP groups.
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=mesh.get_local_rank("dp"),
+                                 shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch_size // dp, sampler=sampler,
+                        drop_last=True)
+    steps_per_epoch = len(loader)
+
+    meter = Meter(device)
+    profiler = Profiler(args.profile, rank, device)  # does nothing without --profile
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            sampler.set_epoch(epoch)  # else every epoch replays epoch 0's order
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            batches = itertools.islice(loader, index, None)
+        x, y = next(batches)
+        # --- Pipeline parallelism: one call runs the schedule, along "pp" ---
+        losses = []
+        inputs = [x.to(device)] if is_first else []
+        targets = dict(target=y.to(device), losses=losses) if is_last else {}
+        schedule.step(*inputs, **targets)
+        loss = (torch.stack(losses).mean().detach() if is_last
+                else torch.zeros((), device=device, dtype=dtype))
+        # --- end ---
+        with record_function("optimizer step"):
+            # --- N-D: --clip by the norm of the whole gradient, over all three dimensions ---
+            # The DTensors' norm covers "dp" and "tp" (their squares summed over the stage's
+            # ranks); the stages' squares are then added up over "pp". Clipped per stage, or
+            # per TP group, each part would be scaled by a factor of its own.
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+            grad_norm = grad_norm.square()
+            dist.all_reduce(grad_norm, group=mesh.get_group("pp"))
+            grad_norm = grad_norm.sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, args.clip or float("inf"), grad_norm)
+            # --- end ---
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+        profiler.step()
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # The last stage's loss, averaged over the pipelines, to every rank
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
+            dist.all_reduce(loss, group=mesh.get_group("pp"))
+            final_loss = loss.item()
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(), samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused(), record_function("evaluation"):
+                val_loss = evaluate(stages, owner, mesh, val_set, args.batch_size // dp,
+                                    args.hidden, device, dtype)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            # Rank 0 gathers single.py's file: it resumes on any mesh, or in single.py.
+            with meter.paused():
+                weights, adam = gather_full_state(model, stages, owner, mesh, optimizers, device)
+                if rank == 0:
+                    save_checkpoint(args, weights, adam, step + 1)
+    profiler.stop()
+    print0(meter.summary(final_loss, model, val_loss=val_loss))
+    weights, _ = (gather_full_state(model, stages, owner, mesh, optimizers, device) if args.save
+                  else (None, None))
+    return weights, final_loss, val_loss
+
+
+def gather_full_state(model, stages, owner, mesh, optimizers, device):
+    """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
+    None elsewhere). Each stage's full tensors are gathered over its dp x tp ranks (a
+    collective of each), then the first rank of each stage sends them along "pp" to rank 0,
+    as pipeline.py gathers its stages."""
+    weights, adam = {}, {}
+    for part, optimizer in zip(stages, optimizers):  # full tensors: a collective of dp x tp
+        part_weights, part_adam = get_state_dict(part, optimizer,
+                                                 options=StateDictOptions(full_state_dict=True))
+        weights.update(part_weights)
+        adam.update(part_adam["state"])
+    if mesh.get_local_rank("dp") or mesh.get_local_rank("tp"):
+        return None, None
+    pp = mesh.get_group("pp")
+    names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
+    keys = ("step", "exp_avg", "exp_avg_sq")  # per parameter: a step count and two moments
+    mine = [name for part in stages for name, _ in part.named_parameters()]
+    if mesh.get_local_rank("pp"):
+        for tensor in [*weights.values(), *(adam[n][k] for n in mine for k in keys)]:
+            dist.send(tensor.contiguous().to(device), dst=0)
+        return None, None
+    adam_state = {names.index(n): adam[n] for n in mine}
+    for src in range(1, mesh["pp"].size()):
+        parts = [cut(model, i, len(owner)) for i, r in enumerate(owner) if r == src]
+        sender = dist.get_global_rank(pp, src)  # its first dp and tp rank
+        for name, like in [kv for part in parts for kv in part.state_dict().items()]:
+            weights[name] = receive(like, sender, device)
+        for name, p in [kv for part in parts for kv in part.named_parameters()]:
+            shapes = {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
+            adam_state[names.index(name)] = {k: receive(shapes[k], sender, device) for k in keys}
+    group = dict(optimizers[0].state_dict()["param_groups"][0], params=list(range(len(names))))
+    return ({name: weights[name].cpu() for name in model.state_dict()},
+            {"state": dict(sorted(adam_state.items())), "param_groups": [group]})
+
+
+def save_checkpoint(args, weights, adam, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": weights, "optimizer": adam,
+                 **train_state(args, step)}, args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model):
+    """Read --checkpoint into the model if it exists (return its state, or None if there is
+    none); a bad one stops with one line and is left as it was."""
+    if not os.path.exists(args.checkpoint):
+        return None
+
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    return state
+
+
+def run(args):
+    """What each process does: set up, train, save."""
+    rank, world_size, device = setup(args)
+    weights, _, _ = train(args, rank, world_size, device)
+    if args.save and rank == 0:
+        # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
+    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+
+
+if __name__ == "__main__":
+    main()
