@@ -11,8 +11,8 @@ precision. Prints the max weight difference and the printed validation loss's di
 exact one; for the fused qkv layer, whose weights have other names, the first step's loss; for
 the CP loss averaged over a rank's own tokens, the last printed loss; for the ring that skips a
 hop, how long the job takes to fail, and its first error line. The mistakes that no weight
-shows (the collective count, the checkpoint's keys, the clipped norm) are measured by their
-tests.
+shows (the collective count, the checkpoint's keys, the clipped norm, the mesh built tp first)
+are measured by their tests.
 """
 
 import os
@@ -46,6 +46,9 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "CP ring: a hop skipped where its keys are masked": (4, ["--cp-method=ring", "--timeout=10"],
                                                          4),
     **{name: (2, test_zoo.EP_FLAGS, 40) for name in test_zoo.MISTAKES if name.startswith("EP")},
+    "ND: the norm clipped per stage": (2, [*test_zoo.ND_FLAGS, f"--clip={conftest.FP64_CLIP}"], 40),
+    "ND: the micro-batches counted twice": (2, test_zoo.ND_FLAGS, 40),
+    "ND: a seed per stage": (2, test_zoo.ND_FLAGS, 40),
 }
 
 

@@ -473,13 +473,12 @@ def run_as_only_rank(script, flags, folder):
 
 
 def assert_checkpoints_resume_to_the_oracle(script, checkpoints, folder, seed, clip=None,
-                                            heads=JOB["heads"]):
+                                            heads=JOB["heads"], steps=FP64_JOB["steps"]):
     """Continue each of `checkpoints` ({(ranks, extra flags): path}, written at the end of
-    FP64_JOB on `seed`, clipped to `clip`; or {...: (path, seed, clip[, the oracle's mixture])}
-    for a run of its own) for 8 more steps, on that many ranks, all at once. Each must say
-    where it resumed and end within FP64_TOL of the fp64 oracle's weights after as many
-    uninterrupted steps, with its exact validation loss."""
-    steps = FP64_JOB["steps"]
+    FP64_JOB (or its first `steps`) on `seed`, clipped to `clip`; or {...: (path, seed, clip[,
+    the oracle's model keywords])} for a run of its own) for 8 more steps, on that many ranks,
+    all at once. Each must say where it resumed and end within FP64_TOL of the fp64 oracle's
+    weights after as many uninterrupted steps, with its exact validation loss."""
     runs = {key: (*value, {})[:4] if isinstance(value, tuple) else (value, seed, clip, {})
             for key, value in checkpoints.items()}
     resumed = launch_together([

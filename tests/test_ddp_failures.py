@@ -125,7 +125,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd"]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),
@@ -160,8 +160,9 @@ DISTRIBUTED_BAD_FLAGS = [
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
     ("pipeline", ["--backend=nccl", "--device=cpu"], "CPU tensors travel over gloo only"),
     ("fsdp", ["--replicate=3"], "--replicate 3 must divide the world size 2"),
+    ("nd", ["--backend=nccl", "--device=cpu"], "CPU tensors travel over gloo only"),
     *[(script, ["--checkpoint=/no/such/c.pt"], "--checkpoint /no/such/c.pt: its folder")
-      for script in ("single", "ddp", "amp", "pipeline")],
+      for script in ("single", "ddp", "amp", "pipeline", "nd")],
 ])
 def test_bad_distributed_flags_are_refused_in_one_line(script, flags, message, capsys,
                                                        as_torchrun):
@@ -206,7 +207,8 @@ def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monk
     assert threads == [3 if omp else max(1, os.cpu_count() // 2)]
 
 
-@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp", "pipeline", "cp"])
+@pytest.mark.parametrize("script", ["single", "amp", "ddp", "fsdp", "tp", "pipeline", "cp",
+                                    "nd"])
 def test_compile_without_a_cpp_compiler_or_on_an_unsupported_python_is_refused_in_one_line(
         script, capsys, monkeypatch):
     """Faked: inductor finds no C++ compiler on the CPU; torch.compile refuses this Python."""

@@ -12,7 +12,7 @@ import torch
 from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd"]
 # Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has
 # imported torch already), all queued with the other launches when the tests are collected.
 # Model parallelism (pipeline.py --nproc 1) is proven on JOB by tests/test_pipeline.py.
@@ -25,6 +25,7 @@ LAUNCHED = {
     "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
     "python cp.py": [sys.executable, "cp.py", "--device=cpu"],  # starts 2 workers
     "python ep.py": [sys.executable, "ep.py", "--device=cpu"],  # 2 workers, 2 experts each
+    "python nd.py": [sys.executable, "nd.py", "--device=cpu"],  # 4 workers: 2 (pp) x 2 (tp)
     **{f"python {script}.py": [sys.executable, f"{script}.py", "--device=cpu"]
        for script in ("single", "dataparallel", "amp")},  # one process each
 }

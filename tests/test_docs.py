@@ -50,7 +50,8 @@ def test_every_section_a_page_links_to_exists(page):
     assert not missing, f"{page.name} links to missing sections: {missing}"
 
 
-SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "cp", "ep", "common"]
+SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "cp", "ep", "nd",
+           "common"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ hide in fp32 (docs/exercises.md measures both).
 import importlib.util
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -160,10 +161,25 @@ MISTAKES = {
     "EP: the combine weights detached": ("ep.py", [(
         "    share = weights.flatten()[order, None] * back\n",
         "    share = weights.flatten()[order, None].detach() * back\n")]),
+    "ND: the norm clipped per stage": ("nd.py", [(
+        "            dist.all_reduce(grad_norm, group=mesh.get_group(\"pp\"))\n", "")]),
+    "ND: the micro-batches counted twice": ("nd.py", [(
+        "n_microbatches=args.microbatches, loss_fn=loss_fn)",
+        "n_microbatches=args.microbatches,\n"
+        "                              loss_fn=lambda out, y: loss_fn(out, y) / args.microbatches)")]),
+    "ND: a seed per stage": ("nd.py", [(
+        "    seed_everything(args.seed)  # every rank builds the same full model before cutting it",
+        "    seed_everything(args.seed + rank)  # (mistake) each stage's ranks draw their own")]),
+    "ND: the mesh built tp first": ("nd.py", [(
+        "    mesh = init_device_mesh(device.type, (args.pp, dp, args.tp),\n"
+        "                            mesh_dim_names=(\"pp\", \"dp\", \"tp\"))\n",
+        "    mesh = init_device_mesh(device.type, (args.tp, dp, args.pp),\n"
+        "                            mesh_dim_names=(\"tp\", \"dp\", \"pp\"))\n")]),
 }
 # The mixture of the EP mistakes (ep.py's default, spelled out for the oracle)
 EP_MIXTURE = {"experts": 4, "top_k": 2}
 EP_FLAGS = ["--experts=4", "--top-k=2"]
+ND_FLAGS = ["--pp=2", "--tp=1"]
 
 # The mistakes that need several processes, launched together (name: ranks, flags).
 LAUNCHED = {
@@ -180,6 +196,10 @@ LAUNCHED = {
     "CP: positions not offset per piece": (2, fp64(SEED, steps=4)),
     "CP: loss averaged over a rank's own tokens": (2, [*fp64(SEED, steps=4), "--log-every=1"]),
     **{name: (2, [*fp64(SEED, steps=4), *EP_FLAGS]) for name in MISTAKES if name.startswith("EP")},
+    # the pipeline's mistakes show on 2 stages alone (--tp 1: no TP, no dp)
+    "ND: the norm clipped per stage": (2, [*fp64(SEED, steps=4, clip=FP64_CLIP), *ND_FLAGS]),
+    "ND: the micro-batches counted twice": (2, [*fp64(SEED, steps=4), *ND_FLAGS]),
+    "ND: a seed per stage": (2, [*fp64(SEED, steps=4), *ND_FLAGS]),
 }
 
 
@@ -462,6 +482,49 @@ def test_combine_weights_detached_leave_the_router_to_the_balancing_loss(launche
     """The router's probabilities weigh the experts' outputs; detached there, the loss no longer
     teaches the router which experts help, only the balancing loss does."""
     assert_an_ep_mistake_trains_and_misses_the_oracle(launched, "EP: the combine weights detached")
+
+
+def test_a_norm_clipped_per_stage_clips_each_stage_by_a_factor_of_its_own(launched):
+    """Each stage clips its own part of the gradient to the whole norm's bound: every part
+    passes, the whole gradient is clipped too weakly, and rank 0 prints its stage's norm."""
+    out, weights = launched["ND: the norm clipped per stage"]
+    _, expected, _, norms, _ = fp64_reference(SEED, 4, FP64_CLIP)
+    assert logged_norms(out)[1] < 0.99 * norms[0]  # stage 0's part, printed as the whole
+    assert max_diff(load_saved(weights), expected) > FP64_TOL
+
+
+def test_micro_batches_counted_twice_make_the_gradient_m_times_too_small(launched):
+    """scale_grads divides the M micro-batches' gradients by M; a loss_fn that divides by M too
+    makes the batch's gradient M times too small (and the printed loss M times too)."""
+    out, weights = launched["ND: the micro-batches counted twice"]
+    assert logged_losses(out)[0] == pytest.approx(fp64_reference(SEED, 4)[2][0] / 4, abs=1e-6)
+    assert distance(weights, steps=4) > FP64_TOL
+
+
+def test_a_seed_per_stage_starts_from_weights_one_device_never_had(launched):
+    """Every rank must draw the same full model before cutting it: a stage cut from another
+    seed's model trains, but from another starting point (the first loss already differs)."""
+    out, weights = launched["ND: a seed per stage"]
+    assert abs(logged_losses(out)[0] - fp64_reference(SEED, 4)[2][0]) > 1e-4
+    assert distance(weights, steps=4) > FP64_TOL
+
+
+def test_a_mesh_built_tp_first_is_refused_in_one_line_where_tp_would_span_machines(
+        tmp_path, monkeypatch):
+    """(tp, dp, pp) puts a TP group's ranks pp x dp apart: on 2 machines of 4 ranks, ranks 0
+    and 4, so every block's all-reduces cross the network. nd.py checks the mesh it built."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch.distributed as dist
+    module = imported(mutant("ND: the mesh built tp first", tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        with pytest.raises(SystemExit, match=r"the TP group \[0, 4\] spans machines of 4 "
+                                             r"ranks: build the mesh with \"tp\" last"):
+            module.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -1,0 +1,128 @@
+"""nd.py: a pipeline of TP-cut, FSDP-sharded stages on one (pp, dp, tp) mesh trains to one
+device's weights in float64 under every schedule, on 8 ranks (2 x 2 x 2); its checkpoint
+resumes on another mesh and in single.py; a mesh whose TP groups would span machines, and
+every flag the mesh cannot divide, is refused in one line."""
+
+import shutil
+import types
+
+import pytest
+import torch.distributed as dist
+
+from common import torch_older_than
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS,
+                      assert_checkpoints_resume_to_the_oracle,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      early_runs, fp64, launched_runs, needs_2_gpus,
+                      refused_in_one_line, run_in_process, succeeded, torchrun)
+
+SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+# 12 steps of FP64_JOB's batch 180 cross an epoch (11 steps each): on 8 ranks every step is
+# dozens of collectives, so the composition's proof keeps to the horizon where a mistake
+# shows (the zoo: 4 steps) and leaves the long one to the scripts it composes.
+STEPS = 12
+# 4 blocks: 4 stages when 2 ranks run 2 each; 4 heads: TP 2 cuts whole heads
+MODEL = ["--blocks=4", "--heads=4", "--pp=2", "--tp=2"]
+ORACLE = {"blocks": 4, "heads": 4}
+# name: (seed, clip, flags). Every schedule on 2 (pp) x 2 (dp) x 2 (tp), on flags nobody
+# chose: micro-batches from 2 to 6, clipping by the whole gradient's norm over the three
+# dimensions, recomputed blocks, CUDA's Adam; gpipe's checkpoint (step 12) is continued below.
+SCHEDULES = {
+    "gpipe, 3 micro-batches, clip": (SEED_A, FP64_CLIP, [
+        "--schedule=gpipe", "--microbatches=3", "--checkpoint={folder}/nd.pt"]),
+    "1f1b, 2 micro-batches, CUDA's Adam": (SEED_B, None, [
+        CUDA_DEFAULTS, "--schedule=1f1b", "--microbatches=2"]),
+    "interleaved-1f1b, 6 micro-batches, clip, AC": (SEED_B, FP64_CLIP, [
+        "--schedule=interleaved-1f1b", "--microbatches=6", "--activation-checkpointing"]),
+    "zero-bubble, 2 micro-batches": (SEED_A, None, ["--schedule=zero-bubble",
+                                                    "--microbatches=2"]),
+    "zbv, 2 micro-batches, clip": (SEED_B, FP64_CLIP, ["--schedule=zbv", "--microbatches=2"]),
+    "dualpipev, 6 micro-batches": (SEED_A, None, ["--schedule=dualpipev", "--microbatches=6"]),
+}
+if torch_older_than(2, 12):  # its gloo cannot run a V (pipeline.py refuses: tests/test_pipeline)
+    del SCHEDULES["zbv, 2 micro-batches, clip"], SCHEDULES["dualpipev, 6 micro-batches"]
+RUNS = {name: (8, [*(f for f in flags if f == CUDA_DEFAULTS), *fp64(seed, STEPS, clip), *MODEL,
+                   *(f for f in flags if f != CUDA_DEFAULTS)])
+        for name, (seed, clip, flags) in SCHEDULES.items()}
+
+early_launches = early_runs("nd.py", RUNS)  # queued when the tests are collected
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launched_runs(__name__, "nd.py", RUNS)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_fp64_every_schedule_on_a_2x2x2_mesh_equals_the_fp64_oracle(name, runs):
+    seed, clip, _ = SCHEDULES[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, STEPS, clip,
+                                           **ORACLE)
+
+
+def test_fp64_checkpoint_resumes_on_another_mesh_and_in_single_py(runs, tmp_path):
+    """gpipe's checkpoint of 2 x 2 x 2 (step 12) continued to step 20 on 2 (pp) x 2 (dp) x 1
+    (tp) ranks, 2 stages each, and by single.py: each ends within 1e-9 of 20 uninterrupted
+    steps on one device."""
+    written = runs["gpipe, 3 micro-batches, clip"][1].parent / "nd.pt"
+    for copy in ("mesh.pt", "single.pt"):
+        shutil.copy(written, tmp_path / copy)
+    assert_checkpoints_resume_to_the_oracle("nd.py", {
+        (4, *MODEL[:-1], "--tp=1", "--schedule=interleaved-1f1b", "--microbatches=2"):
+            (tmp_path / "mesh.pt", SEED_A, FP64_CLIP, {"blocks": 4})}, tmp_path, SEED_A,
+        heads=4, steps=STEPS)
+    run = run_in_process("single", [*fp64(SEED_A, STEPS + 8, FP64_CLIP), *MODEL[:2],
+                                    f"--checkpoint={tmp_path}/single.pt"], tmp_path)
+    assert f"at step {STEPS}" in run[0]
+    assert_fp64_run_equals_the_fp64_oracle(run, SEED_A, STEPS + 8, FP64_CLIP, **ORACLE)
+
+
+@pytest.fixture
+def world_of_8(monkeypatch):
+    """A process group of 8 ranks in this process whose collectives do nothing (torch's test
+    backend), its ranks `per_machine` to a machine as torchrun numbers them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def world(per_machine):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_machine))
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
+    import nd
+    world_of_8(4)  # 2 machines of 4
+    mesh = nd.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, types.SimpleNamespace(type="cpu"))
+    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    assert mesh["tp"].mesh.tolist() == [0, 1] and mesh["pp"].mesh.tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (8, ["--pp=1"], "--pp 1: no pipeline; use tp.py"),
+    (8, ["--pp=3"], "--pp 3 x --tp 2 must divide the world size 8"),
+    (6, ["--tp=3"], "--tp 3 must divide --heads 4"),
+    (8, ["--batch-size=60"], "must be divisible by the 2 pipeline(s) (dp) x --microbatches 4"),
+    (8, ["--pp=4", "--schedule=interleaved-1f1b"], "8 stages but --blocks 4"),
+    (8, ["--experts=4"], "trains the dense model only"),
+])
+def test_a_mesh_the_flags_cannot_divide_is_refused_in_one_line(world, flags, message,
+                                                                as_torchrun, capsys):
+    as_torchrun(world)
+    refused_in_one_line("nd", flags, message, capsys)
+
+
+def test_a_tp_group_that_would_span_machines_is_refused(as_torchrun, capsys, monkeypatch):
+    as_torchrun(8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    refused_in_one_line("nd", ["--tp=2"], "3 ranks per machine, so a TP group would span",
+                        capsys)
+
+
+@needs_2_gpus
+def test_nd_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
+    """2 pipeline ranks of JOB (3 heads: --tp 1), over NCCL."""
+    result = torchrun(2, "nd.py", *CUDA_JOB_FLAGS, "--pp=2", "--tp=1",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
