@@ -66,7 +66,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
-from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
+from common import check_resumable, eval_line, fail, held_bytes, log_line, loss_fn, make_dataset
+from common import unloadable
 from common import positive, print0, save_atomic, seed_everything, train_state
 from common import launch, launch_world, leave, receive, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
@@ -339,7 +340,8 @@ def train(args, rank, world_size, device):
                 if rank == 0:
                     save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
-    print0(meter.summary(final_loss, model, val_loss=val_loss))
+    print0(meter.summary(final_loss, model, val_loss=val_loss, state_bytes=sum(
+        held_bytes(part, optimizer) for part, optimizer in zip(stages, optimizers))))
     weights, _ = (gather_full_state(model, stages, owner, mesh, optimizers, device) if args.save
                   else (None, None))
     return weights, final_loss, val_loss
