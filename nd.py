@@ -66,10 +66,9 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
-from common import check_resumable, eval_line, fail, held_bytes, log_line, loss_fn, make_dataset
-from common import unloadable
+from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
 from common import positive, print0, save_atomic, seed_everything, train_state
-from common import launch, launch_world, leave, receive, rendezvous
+from common import held_bytes, launch, launch_world, leave, receive, rendezvous
 from common import check_shared_flags, compile_and_checkpoint, shared_parser
 from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
 from tp import parallelize  # TP's plan, then fully_shard over "dp": tp.py's 2D, per stage

@@ -1,0 +1,258 @@
+"""From this machine to a real cluster: what each rank of a (pp, dp, tp) layout holds and sends
+per step, for Llama 3 8B and 70B on 8, 64 and 512 GPUs, and the same arithmetic checked against
+nd.py at small scale. Writes the tables of docs/planning.md.
+
+    python docs/planning.py            # the tables (seconds)
+    python docs/planning.py --check    # and 4 nd.py runs on this CPU beside the formula (a minute)
+
+The arithmetic, one rule per dimension (docs/planning.md says why each holds):
+- pp: a stage holds L / (P V) blocks per virtual stage, the first the embeddings, the last the
+  final norm and the head; the busiest rank is the one that holds the most.
+- tp: cuts the blocks' matrices (q, k, v, o and the feed-forward's) and, as torchtitan does, the
+  embeddings and the head over the vocabulary; norms stay whole.
+- dp: FSDP shards every tensor it is given along its first dimension, rank 0 taking the
+  rounded-up share.
+"""
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+MODELS = {  # Llama 3's published shapes (grouped-query attention, SwiGLU, RMSNorm, untied head)
+    "Llama 3 8B": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+    "Llama 3 70B": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+}
+SEQ, BATCH = 8192, 512  # tokens per sequence; sequences per step (4 M tokens, Llama 3's start)
+GPU_BYTES = 80 * GB
+USABLE = 0.9  # of it, for what the table does not count (allocator, NCCL's buffers, CUDA)
+PER_MACHINE = 8
+NVLINK, INFINIBAND = 450 * GB, 50 * GB  # bytes/s one GPU sends: H100 NVLink; a 400 Gb/s NIC
+PEAK, MFU = 989e12, 0.4  # H100 bf16 dense FLOP/s, and the share of it a good run reaches
+LAYOUTS = {8: [(1, 8, 1), (1, 4, 2), (1, 1, 8), (2, 1, 4), (2, 4, 1)],
+           64: [(1, 64, 1), (1, 8, 8), (2, 4, 8), (4, 2, 8), (8, 8, 1)],
+           512: [(1, 512, 1), (1, 64, 8), (4, 16, 8), (8, 8, 8), (16, 4, 8), (16, 32, 1)]}
+
+
+def llama_tensors(m):
+    """[(where, shape, tp-cut dimension or None)] of a Llama model: where is a block index, or
+    "first" / "last" for the tensors of the first and the last stage."""
+    h, hd = m["hidden"], m["hidden"] // m["heads"]
+    kv = m["kv_heads"] * hd
+    block = [((h, h), 0), ((kv, h), 0), ((kv, h), 0), ((h, h), 1),  # q, k, v by heads; o by rows
+             ((m["ffn"], h), 0), ((m["ffn"], h), 0), ((h, m["ffn"]), 1),  # gate, up; down
+             ((h,), None), ((h,), None)]  # the two RMSNorms
+    return ([("first", (m["vocab"], h), 0)] +
+            [(i, shape, cut) for i in range(m["layers"]) for shape, cut in block] +
+            [("last", (h,), None), ("last", (m["vocab"], h), 0)])
+
+
+def simple_model_tensors(hidden, blocks, heads):
+    """The same list for SimpleModel, read off the real module; tp.py's plan cuts q, k, v and up
+    (weights and biases) by rows and o and down (weights) by columns, nothing else."""
+    sys.path.insert(0, str(REPO))
+    from common import SimpleModel
+    out = []
+    for name, p in SimpleModel(hidden, blocks, heads).named_parameters():
+        m = re.match(r"blocks\.(\d+)\.(.*)", name)
+        where = int(m.group(1)) if m else ("first" if name.startswith(("embed", "pos")) else
+                                           "last")
+        rest = m.group(2) if m else ""
+        cut = (0 if re.match(r"attn\.[qkv]\.|up\.", rest) else
+               1 if rest in ("attn.o.weight", "down.weight") else None)
+        out.append((where, tuple(p.shape), cut))
+    return out
+
+
+def stage_of(where, layers, stages):
+    """The stage of a tensor: pipeline.cut's split of the blocks, the ends on the end stages."""
+    if where == "first":
+        return 0
+    if where == "last":
+        return stages - 1
+    return next(s for s in range(stages) if where < (s + 1) * layers // stages)
+
+
+def held(tensors, layers, pp, dp, tp, v=1, v_shaped=False):
+    """Elements each pp rank's first dp and tp rank holds: each tensor cut over tp along its
+    cut dimension, then sharded over dp along its first (rank 0: the rounded-up share), on
+    the stages its pp rank runs (in a loop, or in a V)."""
+    stages = pp * v
+    owner = [min(s, 2 * pp - 1 - s) if v_shaped else s % pp for s in range(stages)]
+    per_rank = [0] * pp
+    for where, shape, cut in tensors:
+        shape = list(shape)
+        if cut is not None:
+            shape[cut] //= tp
+        shape[0] = math.ceil(shape[0] / dp)
+        per_rank[owner[stage_of(where, layers, stages)]] += math.prod(shape)
+    return per_rank
+
+
+def activation_bytes(m, tokens, tp, recompute):
+    """bf16 bytes a block keeps for backward per micro-batch of `tokens` tokens, flash attention
+    (no scores kept): the norms' inputs and outputs (4h, whole on each TP rank), q, k, v and the
+    attention's output (2h + 2 kv, cut), the feed-forward's gate, up, SiLU and product (4 ffn,
+    cut); with full recomputation, the block's input alone."""
+    h, kv = m["hidden"], m["kv_heads"] * m["hidden"] // m["heads"]
+    if recompute:
+        return 2 * h * tokens
+    return 2 * tokens * (4 * h + (2 * h + 2 * kv + 4 * m["ffn"]) / tp)
+
+
+def link(size, stride):
+    """Bytes per second of a group of `size` ranks `stride` apart: NVLink if they fit in one
+    machine of PER_MACHINE consecutive ranks, else InfiniBand."""
+    return NVLINK if size * stride <= PER_MACHINE else INFINIBAND
+
+
+def plan(name, pp, dp, tp, recompute):
+    """One row: bytes per rank (the busiest stage's), bytes each rank sends per step in each
+    dimension and the seconds its links take for them, the bubble, the compute."""
+    m = MODELS[name]
+    tensors = llama_tensors(m)
+    h, params = m["hidden"], sum(math.prod(shape) for _, shape, _ in tensors)
+    elements = max(held(tensors, m["layers"], pp, dp, tp))  # the busiest stage's share
+    state = 16 * elements  # fp32 weights and gradients, Adam's two moments: all sharded
+    # bf16 weights gathered over dp: with a pipeline, the stage's for the whole step (one
+    # all-gather per step, as nd.py does); without, two blocks at a time (FSDP's prefetch)
+    block = sum(math.prod(s) for w, s, _ in tensors if w == 0) // tp
+    gathered = 0 if dp == 1 else 2 * elements * dp if pp > 1 else 2 * 2 * block
+    micro = BATCH // dp  # micro-batches of one sequence: the pipeline's M
+    in_flight = min(pp, micro)  # 1F1B: the first stage keeps P micro-batches' activations
+    layers_here = m["layers"] // pp
+    acts = in_flight * layers_here * activation_bytes(m, SEQ, tp, recompute)
+    # TP: per block and micro-batch 4 all-reduces of the activations (6 when recomputing),
+    # bf16, each sending 2(T-1)/T of its size (a ring)
+    tp_sent = 2 * (tp - 1) / tp * 2 * SEQ * h * layers_here * micro * (6 if recompute else 4)
+    # FSDP: with a pipeline, the stage's bf16 weights gathered once a step; without, each
+    # block's twice per micro-batch (forward, backward); the fp32 gradients reduce-scattered
+    # once a step (accumulated unsynced between, as fsdp.py does)
+    dp_sent = (dp - 1) * (2 * (1 if pp > 1 else 2 * micro) + 4) * elements
+    # PP: a middle stage sends each micro-batch's output on and its input's gradient back
+    pp_sent = 2 * micro * SEQ * h * 2 if pp > 1 else 0
+    compute = 6 * params * BATCH * SEQ / (pp * dp * tp) / (MFU * PEAK)  # seconds
+    return dict(params=params, state=state, gathered=gathered, acts=acts,
+                total=state + gathered + acts, tp_sent=tp_sent, dp_sent=dp_sent,
+                pp_sent=pp_sent, tp_s=tp_sent / link(tp, 1), dp_s=dp_sent / link(dp, tp),
+                pp_s=pp_sent / link(pp, dp * tp), bubble=(pp - 1) / (micro + pp - 1),
+                compute=compute)
+
+
+def tables():
+    out = []
+    for name in MODELS:
+        params = sum(math.prod(s) for _, s, _ in llama_tensors(MODELS[name]))
+        out.append(f"\n### {name} ({params / 1e9:.2f} B parameters; {BATCH} sequences of "
+                   f"{SEQ} tokens per step)\n")
+        out.append("| GPUs | pp x dp x tp | state | gathered weights | activations "
+                   "(recompute) | per rank (recompute) | fits 80 GB? | TP sends | FSDP sends | "
+                   "PP sends | bubble (1F1B) | compute |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for gpus, layouts in LAYOUTS.items():
+            for pp, dp, tp in layouts:
+                if pp * dp * tp != gpus:
+                    raise SystemExit(f"layout {pp}x{dp}x{tp} is not {gpus} GPUs")
+                full, ac = plan(name, pp, dp, tp, False), plan(name, pp, dp, tp, True)
+                # the smallest that fits: recompute only where the activations do not
+                row = full if full["total"] < USABLE * GPU_BYTES else ac
+                fits = ("yes" if row is full else
+                        "with recompute" if ac["total"] < USABLE * GPU_BYTES else "no")
+                sends = [f"{row[k] / GB:,.1f} GB, {row[k[:3] + 's']:.1f} s" if row[k] else "-"
+                         for k in ("tp_sent", "dp_sent", "pp_sent")]
+                out.append(
+                    f"| {gpus} | {pp} x {dp} x {tp} | {full['state'] / GB:.1f} GB | "
+                    f"{full['gathered'] / GB:.1f} GB | {full['acts'] / GB:.1f} "
+                    f"({ac['acts'] / GB:.1f}) GB | {full['total'] / GB:.1f} "
+                    f"({ac['total'] / GB:.1f}) GB | {fits} | {' | '.join(sends)} | "
+                    f"{row['bubble']:.1%} | {row['compute']:.1f} s |")
+    return "\n".join(out)
+
+
+# The small-scale check: nd.py at its defaults (hidden 64, 4 blocks, 4 heads, batch 64, fp32) on
+# four meshes, 2 micro-batches. Rank 0's summary prints the state it holds (common.held_bytes:
+# weights, gradients and Adam's moments, each DTensor's local piece); its --profile trace of
+# steps 5-7 holds every send (PP), every all-reduce of an activation (TP) and every all-gather
+# of its FSDP shard (dp), each with its tensor's shape. Rank 0 runs the first stage (and in a V
+# the last): it sends activations forward (and gradients back from the last stage).
+CHECKS = [(8, 2, 2, "gpipe"), (4, 2, 2, "gpipe"), (4, 2, 1, "gpipe"), (8, 2, 2, "zbv")]
+HIDDEN, BLOCKS, HEADS, BATCH_HERE, M, STEPS = 64, 4, 4, 64, 2, 8
+
+
+def counted(trace, activation):
+    """Bytes per step rank 0's trace shows: sent to the next stage, all-reduced over TP (the
+    activation-shaped ones), all-gathered over dp (its shard)."""
+    import json
+    size = {"float": 4, "double": 8}
+    sums = {"send": 0, "tp": 0, "dp": 0}
+    for e in json.loads(Path(trace).read_text())["traceEvents"]:
+        if e.get("ph") != "X" or "Input Dims" not in e.get("args", {}):
+            continue
+        dims, kind = e["args"]["Input Dims"][0], e["args"]["Input type"][0]
+        while dims and isinstance(dims[0], list):  # a list of tensors: its first
+            dims = dims[0]
+        n = math.prod(dims) * size.get(kind, 0)
+        if e["name"] in ("gloo:send", "nccl:send"):
+            sums["send"] += n
+        elif e["name"] == "_c10d_functional::all_reduce" and dims == activation:
+            sums["tp"] += n
+        elif e["name"] in ("gloo:all_gather", "nccl:all_gather"):
+            sums["dp"] += math.prod(dims) * 4  # its input: this rank's flat shard, fp32
+    return {k: v / 3 for k, v in sums.items()}  # the Profiler records 3 steps
+
+
+def check():
+    import tempfile
+    rows = ["| ranks | pp x dp x tp | schedule | rank 0 runs | state (MiB): formula, printed | "
+            "PP sends (bytes/step): formula, counted | TP all-reduces (bytes/step): formula, "
+            "counted | FSDP shard gathered (bytes/step): formula, counted |",
+            "|---|---|---|---|---|---|---|---|"]
+    tensors = simple_model_tensors(HIDDEN, BLOCKS, HEADS)
+    for ranks, pp, tp, schedule in CHECKS:
+        dp = ranks // (pp * tp)
+        v, v_shaped = (2, True) if schedule == "zbv" else (1, False)
+        elements = held(tensors, BLOCKS, pp, dp, tp, v, v_shaped)[0]
+        micro = [BATCH_HERE // (dp * M), 16, HIDDEN]  # one micro-batch's activation
+        blocks_here = BLOCKS // (pp * v) * v  # rank 0's stages' blocks
+        formula = {"state": 16 * elements / 2**20,
+                   "send": M * math.prod(micro) * 4 * (2 if v_shaped else 1),
+                   "tp": 4 * blocks_here * M * math.prod(micro) * 4 if tp > 1 else 0,
+                   "dp": 4 * elements if dp > 1 else 0}
+        with tempfile.TemporaryDirectory() as folder:
+            result = subprocess.run(
+                [sys.executable, "nd.py", "--device=cpu", f"--nproc={ranks}", f"--pp={pp}",
+                 f"--tp={tp}", f"--schedule={schedule}", f"--steps={STEPS}",
+                 f"--microbatches={M}", f"--profile={folder}"],
+                cwd=REPO, capture_output=True, text=True, timeout=600,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            printed = re.search(r"\| state ([0-9.]+) MiB/rank", result.stdout)
+            if not printed:
+                raise SystemExit(f"nd.py failed:\n{result.stdout}\n{result.stderr}")
+            seen = counted(Path(folder) / "trace_rank0.json", micro)
+        mine = "0 and 3 (a V)" if v_shaped else "0"
+        rows.append(f"| {ranks} | {pp} x {dp} x {tp} | {schedule} | stage {mine} | "
+                    f"{formula['state']:.4f}, {printed.group(1)} | "
+                    + " | ".join(f"{formula[k]:,.0f}, {seen[k]:,.0f}" for k in ("send", "tp", "dp"))
+                    + " |")
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="also run nd.py at small scale")
+    args = parser.parse_args(argv)
+    print(tables())
+    if args.check:
+        print()
+        check()
+
+
+if __name__ == "__main__":
+    main()
