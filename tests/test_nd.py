@@ -17,25 +17,28 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS,
                       refused_in_one_line, run_in_process, succeeded, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
-# 12 steps of FP64_JOB's batch 180 cross an epoch (11 steps each): on 8 ranks every step is
-# dozens of collectives, so the composition's proof keeps to the horizon where a mistake
-# shows (the zoo: 4 steps) and leaves the long one to the scripts it composes.
-STEPS = 12
+# 8 steps of FP64_JOB's batch 180, continued to 16 across an epoch (11 steps each) by the
+# resumed runs: on 8 ranks every step is dozens of collectives, so the composition's proof
+# keeps to the horizon where its mistakes show (the zoo: 4 steps) and leaves the long one to
+# the scripts it composes (tests/test_pipeline.py, tests/test_tp.py: 40 steps).
+STEPS = 8
 # 4 blocks: 4 stages when 2 ranks run 2 each; 4 heads: TP 2 cuts whole heads
 MODEL = ["--blocks=4", "--heads=4", "--pp=2", "--tp=2"]
 ORACLE = {"blocks": 4, "heads": 4}
 # name: (seed, clip, flags). Every schedule on 2 (pp) x 2 (dp) x 2 (tp), on flags nobody
-# chose: micro-batches from 2 to 6, clipping by the whole gradient's norm over the three
-# dimensions, recomputed blocks, CUDA's Adam; gpipe's checkpoint (step 12) is continued below.
+# chose: 2 to 6 micro-batches, clipping by the whole gradient's norm over the three dimensions,
+# recomputed blocks (under a split backward too), CUDA's Adam; gpipe's checkpoint (step 8) is
+# continued below.
 SCHEDULES = {
     "gpipe, 3 micro-batches, clip": (SEED_A, FP64_CLIP, [
         "--schedule=gpipe", "--microbatches=3", "--checkpoint={folder}/nd.pt"]),
     "1f1b, 2 micro-batches, CUDA's Adam": (SEED_B, None, [
         CUDA_DEFAULTS, "--schedule=1f1b", "--microbatches=2"]),
-    "interleaved-1f1b, 6 micro-batches, clip, AC": (SEED_B, FP64_CLIP, [
-        "--schedule=interleaved-1f1b", "--microbatches=6", "--activation-checkpointing"]),
-    "zero-bubble, 2 micro-batches": (SEED_A, None, ["--schedule=zero-bubble",
-                                                    "--microbatches=2"]),
+    "interleaved-1f1b, 6 micro-batches, clip": (SEED_B, FP64_CLIP, [
+        "--schedule=interleaved-1f1b", "--microbatches=6"]),
+    "zero-bubble, 2 micro-batches, AC, CUDA's Adam": (SEED_A, None, [
+        CUDA_DEFAULTS, "--schedule=zero-bubble", "--microbatches=2",
+        "--activation-checkpointing"]),
     "zbv, 2 micro-batches, clip": (SEED_B, FP64_CLIP, ["--schedule=zbv", "--microbatches=2"]),
     "dualpipev, 6 micro-batches": (SEED_A, None, ["--schedule=dualpipev", "--microbatches=6"]),
 }
@@ -61,9 +64,9 @@ def test_fp64_every_schedule_on_a_2x2x2_mesh_equals_the_fp64_oracle(name, runs):
 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_and_in_single_py(runs, tmp_path):
-    """gpipe's checkpoint of 2 x 2 x 2 (step 12) continued to step 20 on 2 (pp) x 2 (dp) x 1
-    (tp) ranks, 2 stages each, and by single.py: each ends within 1e-9 of 20 uninterrupted
-    steps on one device."""
+    """gpipe's checkpoint of 2 x 2 x 2 (step 8) continued to step 16, across an epoch, on 2
+    (pp) x 2 (dp) x 1 (tp) ranks, 2 stages each, and by single.py: each ends within 1e-9 of 16
+    uninterrupted steps on one device."""
     written = runs["gpipe, 3 micro-batches, clip"][1].parent / "nd.pt"
     for copy in ("mesh.pt", "single.pt"):
         shutil.copy(written, tmp_path / copy)
