@@ -35,7 +35,7 @@ Launch
     torchrun --nproc_per_node=8 nd.py --pp 2 --tp 2 --checkpoint ckpt.pt
     # 2 machines of 8 GPUs: TP inside each machine, the pipeline across them
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        nd.py --pp 2 --tp 8
+        nd.py --pp 2 --tp 8 --heads 8
     Smallest hardware: any CPU (8 processes over gloo share its cores). On GPUs: NCCL, one
     GPU per rank, every TP group inside one machine (the mesh's last dimension).
 
