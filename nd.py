@@ -231,10 +231,10 @@ def train(args, rank, world_size, device):
     # TP before fully_shard (tp.parallelize does both): the other order fails, "Cannot
     # distribute a DTensor with device mesh ...". Both before the PipelineStage, which takes
     # the stage as it will run, and before the optimizer, which must hold the final (sharded)
-    # parameters. FSDP takes each stage as one unit (shard_blocks=False): the zero-bubble
-    # schedules compute the weights' gradients after the backward that fires FSDP's per-block
-    # hooks, and the schedule's own final reduce (PipelineStage) then misses the blocks' ones:
-    # they stay None (torch 2.13). A stage is 1/P of the model, gathered whole while it runs.
+    # parameters. FSDP takes each stage as one unit (shard_blocks=False): with each block
+    # sharded on its own, the zero-bubble schedules (whose weights' gradients come after the
+    # backward FSDP's per-block hooks watch) left the later stages' block gradients None
+    # (torch 2.13, docs/pipeline.md). A stage is 1/P of the model, gathered whole while it runs.
     stages = []
     for i in held:
         part = cut(model, i, args.stages).to(device)
@@ -252,8 +252,8 @@ def train(args, rank, world_size, device):
         for i, part in zip(held, stages)]
     # scale_grads: the M micro-batches' mean losses add up to M times the pipeline's gradient,
     # divided by M here; FSDP then averages over "dp": one device's gradient. (Divided by M
-    # in loss_fn as well, it would be M times too small.) FSDP's hooks fire per micro-batch
-    # inside the schedule, also where a zero-bubble schedule splits the backward.
+    # in loss_fn as well, it would be M times too small.) The stage keeps FSDP from reducing
+    # until the last micro-batch, then runs FSDP's reduce itself, before scale_grads.
     schedule_class, per_rank, _ = SCHEDULES[args.schedule]
     schedule = schedule_class(pipe[0] if per_rank == 1 else pipe, scale_grads=True,
                               n_microbatches=args.microbatches, loss_fn=loss_fn)
