@@ -692,6 +692,20 @@ def refused_in_one_line(script, flags, message, capsys):
 
 
 @pytest.fixture
+def world_of_8(monkeypatch):
+    """A process group of 8 ranks in this process whose collectives do nothing (torch's test
+    backend), its ranks `per_machine` to a machine as torchrun numbers them (nd.py's mesh)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def world(per_machine):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_machine))
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield world
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
 def as_torchrun(monkeypatch):
     """The environment torchrun gives each worker of a job with `n` ranks on this machine."""
     def set_world(n):

@@ -7,7 +7,6 @@ import shutil
 import types
 
 import pytest
-import torch.distributed as dist
 
 from common import torch_older_than
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS,
@@ -80,23 +79,9 @@ def test_fp64_checkpoint_resumes_on_another_mesh_and_in_single_py(runs, tmp_path
     assert_fp64_run_equals_the_fp64_oracle(run, SEED_A, STEPS + 8, FP64_CLIP, **ORACLE)
 
 
-@pytest.fixture
-def world_of_8(monkeypatch):
-    """A process group of 8 ranks in this process whose collectives do nothing (torch's test
-    backend), its ranks `per_machine` to a machine as torchrun numbers them."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def world(per_machine):
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_machine))
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    yield world
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
     import nd
-    world_of_8(4)  # 2 machines of 4
+    world_of_8(4)  # 2 machines of 4 (conftest.world_of_8)
     mesh = nd.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, types.SimpleNamespace(type="cpu"))
     assert mesh.mesh_dim_names == ("pp", "dp", "tp")
     assert mesh["tp"].mesh.tolist() == [0, 1] and mesh["pp"].mesh.tolist() == [0, 4]

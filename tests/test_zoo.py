@@ -510,20 +510,14 @@ def test_a_seed_per_stage_starts_from_weights_one_device_never_had(launched):
 
 
 def test_a_mesh_built_tp_first_is_refused_in_one_line_where_tp_would_span_machines(
-        tmp_path, monkeypatch):
+        tmp_path, world_of_8):
     """(tp, dp, pp) puts a TP group's ranks pp x dp apart: on 2 machines of 4 ranks, ranks 0
     and 4, so every block's all-reduces cross the network. nd.py checks the mesh it built."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    import torch.distributed as dist
     module = imported(mutant("ND: the mesh built tp first", tmp_path))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    try:
-        with pytest.raises(SystemExit, match=r"the TP group \[0, 4\] spans machines of 4 "
-                                             r"ranks: build the mesh with \"tp\" last"):
-            module.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+    world_of_8(4)
+    with pytest.raises(SystemExit, match=r"the TP group \[0, 4\] spans machines of 4 "
+                                         r"ranks: build the mesh with \"tp\" last"):
+        module.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, torch.device("cpu"))
 
 
 if __name__ == "__main__":
