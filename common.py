@@ -109,10 +109,14 @@ class MoE(nn.Module):
 
     def forward(self, x):
         tokens = x.flatten(0, -2)  # (batch x sequence, hidden): each token on its own
-        probs = F.softmax(self.router(tokens), dim=-1)
+        logits = self.router(tokens)
+        # Probabilities in fp32 at least, whatever the compute dtype (autocast, bf16 weights):
+        # they are summed over every token below, where bf16 keeps 8 bits.
+        probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k): the k best experts
         # For the balancing loss (balance_loss): how many tokens each expert got, and the
         # router's probabilities for it summed over the tokens (these carry its gradient).
+        # Counted as integers, kept beside the sums in fp32: exact up to 2**24 per micro-batch.
         self.routed = torch.stack([torch.bincount(chosen.flatten(), minlength=probs.shape[1])
                                    .to(probs.dtype), probs.sum(dim=0)])
         return self.run_experts(tokens, weights, chosen).view_as(x)
@@ -204,8 +208,10 @@ class SimpleModel(nn.Module):
 def balance_loss(routed, top_k):
     """The Switch/GShard load-balancing loss, E x sum over experts of f_e x P_e (f_e: the share
     of the token slots expert e got; P_e: its mean router probability), averaged over the
-    blocks: 1 when balanced, up to E. Only P carries a gradient. From `routed`, summed over
-    the ranks that share one device's micro-batch (a product of means: not a sum of theirs)."""
+    blocks: 1 when balanced, up to E/k (a token gives one expert at most 1/k of its slots);
+    with k = E every expert gets every token and it is the constant 1. Only P carries a
+    gradient. From `routed`, summed over the ranks that share one device's micro-batch (a
+    product of means: not a sum of theirs)."""
     tokens = routed[0, 0].sum() / top_k
     share, mean_prob = routed[:, 0] / (tokens * top_k), routed[:, 1] / tokens
     return routed.shape[-1] * (share * mean_prob).sum(dim=-1).mean()
@@ -419,6 +425,9 @@ def check_shared_flags(parser, args, compile_check=True):
                      "or at least --top-k of them")
     if not 0 <= args.balance < float("inf"):
         parser.error(f"--balance {args.balance}: must be 0 or a positive, finite coefficient")
+    if args.experts and args.top_k == args.experts and args.balance:
+        parser.error(f"--top-k {args.top_k} --experts {args.experts}: every token goes to every "
+                     "expert, so the balancing loss is the constant 1; add --balance 0")
     if not 0 <= args.clip < float("inf"):  # nan too: it would train into nan
         parser.error(f"--clip {args.clip}: must be 0 (no clipping) or a positive, finite norm")
     if args.batch_size > DATASET_SIZE:
@@ -730,7 +739,8 @@ def balance(model, args, group=None):
     if group is not None:
         routed = AllReduce.apply(routed, group)
     # The tokens each expert got, counted over the run for the summary's last line.
-    model.tokens_per_expert = routed[:, 0].detach() + getattr(model, "tokens_per_expert", 0)
+    model.tokens_per_expert = (routed[:, 0].detach().to(torch.int64)  # integers: no rounding
+                               + getattr(model, "tokens_per_expert", 0))
     return args.balance * balance_loss(routed, args.top_k)
 
 
@@ -1189,7 +1199,8 @@ class Meter:
         if counts is not None:  # (blocks, experts): the busiest expert against the mean
             line += "\nexperts | tokens routed to each, per block: " + " | ".join(
                 " ".join(f"{n:.0f}" for n in block) for block in counts.tolist())
-            line += f" | busiest / mean {(counts.max(1).values / counts.mean(1)).max():.3f}"
+            busiest = (counts.max(1).values / counts.double().mean(1)).max()
+            line += f" | busiest / mean {busiest:.3f}"
         return line
 
 

@@ -1,30 +1,126 @@
-"""The oracle: SimpleModel trained on one device, written as plainly as possible.
+"""The oracle: one device's training, written as plainly as possible, from the architecture's
+description, not from its code.
 
-Nothing here is imported from the scripts under test; only the model and the data (common.py)
-are shared. Every strategy in this collection must end with the weights this loop ends with.
+It imports nothing it checks: neither the scripts nor the model's forward. Only the initial
+weights (SimpleModel's state_dict for a seed) and the data (make_dataset) come from common.py;
+everything computed from them is written here, from what docs/course.md and common.py's
+docstrings say the model is:
+
+    tokens -> embed + pos -> blocks -> LayerNorm `norm` -> `output` (logits)
+    block:  x + o(causal multi-head attention of q, k, v of attn_norm(x)), then
+            x + down(GELU(up(mlp_norm(x))))            (dense)
+            x + sum over its k best experts e of p_e x down_e(GELU(up_e(mlp_norm(x))))
+                (a mixture: p the router's softmax, not renormalized over the k; dropless)
+    loss:   mean cross-entropy of every next token (+ --balance x the Switch/GShard
+            load-balancing loss E x sum_e f_e P_e, averaged over the blocks, with a mixture)
+
+So a changed line in the model's forward (a softmax over the wrong axis, the causal mask
+dropped, the top-k renormalized) moves the model away from this oracle, and every proof
+fails. Every strategy in this collection must end with the weights this loop ends with.
 """
 
+import math
+
 import torch
-import torch.nn.functional as F
 
 from common import SimpleModel, make_dataset
 
-
-def token_loss(logits, targets, reduction="mean"):
-    """Cross-entropy over every predicted token (written here, not imported from the scripts)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           reduction=reduction)
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which the model uses
 
 
-def moe_balance_loss(model, top_k):
-    """The mixture of experts' Switch/GShard load-balancing loss of the last forward, written
-    here from the model's routing counts and probabilities: E x sum_e f_e x P_e, over blocks."""
+def layer_norm(x, weight, bias):
+    """Normalize each token's vector to mean 0 and variance 1 (biased), then scale and shift."""
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + LAYER_NORM_EPS) * weight + bias
+
+
+def linear(x, w, prefix):
+    """x W^T + b, where the layer named `prefix` has a bias (k has none)."""
+    y = x @ w[prefix + ".weight"].T
+    bias = w.get(prefix + ".bias")
+    return y if bias is None else y + bias
+
+
+def gelu(x):
+    """GELU, exact: x times the standard normal's CDF at x."""
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def attention(x, w, prefix, heads):
+    """Causal multi-head self-attention: each head's query at position t weighs the values of
+    positions 0..t by the softmax of its scaled dot products with their keys."""
+    batch, seq, width = x.shape
+    q, k, v = (linear(x, w, f"{prefix}.{name}").reshape(batch, seq, heads, width // heads)
+               .permute(0, 2, 1, 3) for name in ("q", "k", "v"))  # (batch, heads, seq, d)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(width // heads)  # (batch, heads, seq, seq)
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)  # key after query: masked
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)  # over keys
+    y = (weights @ v).permute(0, 2, 1, 3).reshape(batch, seq, width)
+    return linear(y, w, f"{prefix}.o")
+
+
+def feed_forward(x, w, prefix):
+    return linear(gelu(linear(x, w, f"{prefix}.up")), w, f"{prefix}.down")
+
+
+def mixture(x, w, prefix, experts, top_k):
+    """Each token through its top_k experts by router probability, their outputs added up
+    weighted by those probabilities (not renormalized). Written densely: every expert runs on
+    every token and a token's weight for an expert it did not choose is 0. Returns the output
+    and the routing statistics: the token slots each expert got (integers) and the router's
+    probabilities summed over the tokens."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(tokens @ w[f"{prefix}.router.weight"].T, dim=-1)  # (tokens, E)
+    top = probs.topk(top_k, dim=-1).indices  # (tokens, k)
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(1, top, True)
+    gate = probs * chosen  # p_e where e is among the token's k best, else 0
+    out = sum(gate[:, e, None] * feed_forward(tokens, w, f"{prefix}.experts.{e}")
+              for e in range(experts))
+    return out.reshape(x.shape), (chosen.sum(0), probs.sum(0))
+
+
+def forward(w, x, heads, experts=0, top_k=1):
+    """Logits (batch, seq, vocabulary) of the weights `w` (a state_dict's names) for tokens x,
+    and per block the routing statistics of a mixture (else an empty list)."""
+    blocks = len({name.split(".")[1] for name in w if name.startswith("blocks.")})
+    h = w["embed.weight"][x] + w["pos.weight"][torch.arange(x.shape[1])]
+    routing = []
+    for i in range(blocks):
+        b = f"blocks.{i}"
+        h = h + attention(layer_norm(h, w[f"{b}.attn_norm.weight"], w[f"{b}.attn_norm.bias"]),
+                          w, f"{b}.attn", heads)
+        normed = layer_norm(h, w[f"{b}.mlp_norm.weight"], w[f"{b}.mlp_norm.bias"])
+        if experts:
+            out, stats = mixture(normed, w, f"{b}.moe", experts, top_k)
+            routing.append(stats)
+            h = h + out
+        else:
+            h = h + feed_forward(normed, w, b)
+    return linear(layer_norm(h, w["norm.weight"], w["norm.bias"]), w, "output"), routing
+
+
+def token_loss(logits, targets):
+    """The mean cross-entropy of every next token: -log of the softmax at the right token."""
+    log_probs = logits.log_softmax(dim=-1)
+    return -log_probs.gather(-1, targets[..., None]).mean()
+
+
+def balance_loss(routing, top_k):
+    """The Switch/GShard load-balancing loss E x sum_e f_e P_e of one forward, averaged over the
+    blocks: f_e the share of the token slots expert e got, P_e its mean router probability."""
     losses = []
-    for block in model.blocks.values():
-        counts, prob_sums = block.moe.routed
-        tokens = counts.sum() / top_k
-        losses.append(len(counts) * ((counts / (tokens * top_k)) * (prob_sums / tokens)).sum())
+    for counts, prob_sums in routing:
+        tokens = counts.sum() // top_k  # integers: a token's k slots go to k experts
+        share = counts.to(prob_sums.dtype) / (tokens * top_k)
+        losses.append(len(counts) * (share * (prob_sums / tokens)).sum())
     return sum(losses) / len(losses)
+
+
+def initial_weights(seed, hidden, blocks, heads, experts=0, top_k=1):
+    """The model's starting weights for `seed`: what every script builds (from common.py)."""
+    torch.manual_seed(seed)
+    return SimpleModel(hidden, blocks, heads, experts, top_k).state_dict()
 
 
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
@@ -46,10 +142,11 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     list, the tokens each expert got, (blocks, experts), over the whole run, appended at the end.
     """
     dtype = torch.float64 if fp64 else torch.float32
-    torch.manual_seed(seed)
-    model = SimpleModel(hidden, blocks, heads, experts, top_k).to(dtype)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    initial = {name: t.to(dtype) for name, t in
+               initial_weights(seed, hidden, blocks, heads, experts, top_k).items()}
+    w = {name: t.clone().requires_grad_() for name, t in initial.items()}
+    params = list(w.values())
+    optimizer = torch.optim.Adam(params, lr=lr)
     x, y = make_dataset().tensors  # token ids: integers in any precision
     steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
     losses, tokens = [], 0
@@ -62,40 +159,42 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
         if experts:
             loss = 0.0
             for micro in batch.chunk(accum):
-                part = token_loss(model(x[micro]), y[micro])
-                tokens = tokens + torch.stack([b.moe.routed[0] for b in model.blocks.values()])
-                part = (part + balance * moe_balance_loss(model, top_k)) / accum
+                logits, routing = forward(w, x[micro], heads, experts, top_k)
+                tokens = tokens + torch.stack([counts for counts, _ in routing])
+                part = (token_loss(logits, y[micro]) + balance * balance_loss(routing, top_k))
+                part = part / accum
                 part.backward()
                 loss += part.detach()
         elif ranks == 1:
-            loss = token_loss(model(x[batch]), y[batch])
+            loss = token_loss(forward(w, x[batch], heads)[0], y[batch])
             loss.backward()
         else:
             loss, grads = 0.0, []
             for r in range(ranks):
-                part = token_loss(model(x[batch[r::ranks]]), y[batch[r::ranks]])
-                grads.append(torch.autograd.grad(part, list(model.parameters())))
+                part = token_loss(forward(w, x[batch[r::ranks]], heads)[0], y[batch[r::ranks]])
+                grads.append(torch.autograd.grad(part, params))
                 loss += part.detach() / ranks
-            for p, *g in zip(model.parameters(), *grads):
+            for p, *g in zip(params, *grads):
                 p.grad = sum(gi / ranks for gi in g)
         if clip:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if norms is not None:
             norms.append(norm.item())
         optimizer.step()
         losses.append(loss.item())
     if routed is not None and experts:
-        routed.append(tokens.detach())
-    return initial, model.state_dict(), losses
+        routed.append(tokens)
+    final = {name: t.detach().clone() for name, t in w.items()}
+    return initial, final, losses
 
 
 def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1):
     """The exact mean cross-entropy per token of `weights` over the whole held-out set, in
-    float64: one forward over all of it, no batches, no ranks."""
-    model = SimpleModel(hidden, blocks, heads, experts, top_k).double()
-    model.load_state_dict(weights)
+    float64: one forward over all of it, no batches, no ranks. (hidden and blocks: the
+    weights' own shapes say them; kept for the callers' symmetry.)"""
+    w = {name: t.double() for name, t in weights.items()}
     x, y = make_dataset("val").tensors
     with torch.no_grad():
-        return token_loss(model(x), y).item()
+        return token_loss(forward(w, x, heads, experts, top_k)[0], y).item()

@@ -50,6 +50,7 @@ def test_scripts_that_train_the_dense_model_only_refuse_experts_in_one_line(scri
     (["--experts=2", "--top-k=3"], "need 0 experts (dense), or at least --top-k of them"),
     (["--experts=-1"], "need 0 experts (dense)"),
     (["--experts=2", "--balance=nan"], "--balance nan: must be 0 or a positive"),
+    (["--experts=2", "--top-k=2"], "the balancing loss is the constant 1; add --balance 0"),
 ])
 def test_bad_mixture_flags_are_refused_in_one_line(flags, message, capsys):
     refused_in_one_line("single", ["--device=cpu", *flags], message, capsys)
@@ -65,11 +66,43 @@ def test_the_dense_model_is_unchanged_by_the_mixtures_code():
     assert sum(p.numel() for p in SimpleModel().parameters()) == 204960
 
 
-def test_the_balancing_loss_is_1_when_balanced_and_e_when_one_expert_takes_every_token():
+def test_the_balancing_loss_is_1_when_balanced_and_e_over_k_when_k_experts_take_every_token():
     even = torch.tensor([[[5.0, 5.0], [5.0, 5.0]]])  # 2 experts, 10 tokens, top-1
     assert common.balance_loss(even, top_k=1).item() == pytest.approx(1.0)
     lopsided = torch.tensor([[[10.0, 0.0], [10.0, 0.0]]])
     assert common.balance_loss(lopsided, top_k=1).item() == pytest.approx(2.0)
+    # 4 experts, 10 tokens, top-2: two experts take every token's two slots
+    top2 = torch.tensor([[[10.0, 10.0, 0.0, 0.0], [5.0, 5.0, 0.0, 0.0]]])
+    assert common.balance_loss(top2, top_k=2).item() == pytest.approx(4 / 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cast", ["autocast", "16-bit weights"])
+def test_the_mixtures_statistics_are_fp32_and_its_counts_exact_in_16_bits(dtype, cast):
+    """Under autocast (amp.py) or with 16-bit weights (fsdp.py --mixed-precision bf16), the
+    token slots each expert got are counted exactly and the router's probabilities summed in
+    fp32: 4,096 tokens, top-2 of 4 experts, about 2,048 slots each (bf16 holds integers exactly
+    to 256 only, fp16 to 2,048). Tokens and router weights are numbers that 16 bits hold
+    exactly, and so are the router's logits: the balancing loss must be fp32's, to fp32's
+    rounding (summed in bf16, it moves by about 0.5%)."""
+    torch.manual_seed(0)
+    moe = common.MoE(16, experts=4, top_k=2)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.randint(-4, 5, moe.router.weight.shape) / 8)
+    tokens = torch.randint(-1, 2, (256, 16, 16)).float()
+    moe(tokens)
+    fp32 = moe.routed.clone()
+    if cast == "autocast":
+        with torch.autocast("cpu", dtype=dtype):
+            moe(tokens)
+    else:
+        moe.to(dtype)(tokens.to(dtype))
+    routed = moe.routed
+    assert routed.dtype == torch.float32
+    assert routed[0].sum().item() == 4096 * 2
+    assert torch.equal(routed[0], fp32[0])
+    assert common.balance_loss(routed[None], 2).item() == pytest.approx(
+        common.balance_loss(fp32[None], 2).item(), rel=1e-6)
 
 
 def test_every_token_reaches_its_top_k_experts_dropless(tmp_path):
