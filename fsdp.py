@@ -146,10 +146,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
-            real -= len(x)
-            # A sharded forward is a collective: padded, every rank forwards as often
-            sums[0] += loss_fn(model(x), y, reduction="sum")
+            # A sharded forward is a collective: every rank forwards each padded batch whole,
+            # then counts its real samples only. (Cut first, a rank's last batch can be empty,
+            # which bf16's flash attention refuses: that rank fails, its peers wait.)
+            logits, y = model(x.to(device))[:real], y[:real].to(device)
+            real -= len(y)
+            sums[0] += loss_fn(logits, y, reduction="sum")
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)

@@ -692,17 +692,25 @@ def refused_in_one_line(script, flags, message, capsys):
 
 
 @pytest.fixture
-def world_of_8(monkeypatch):
-    """A process group of 8 ranks in this process whose collectives do nothing (torch's test
-    backend), its ranks `per_machine` to a machine as torchrun numbers them (nd.py's mesh)."""
+def fake_world(monkeypatch):
+    """A process group of `ranks` in this process, seen from `rank`, whose collectives do
+    nothing (torch's test backend), its ranks `per_machine` to a machine as torchrun numbers
+    them (nd.py's mesh)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def world(per_machine):
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_machine))
-        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    def world(ranks, rank=0, per_machine=None):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_machine or ranks))
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank,
+                                             world_size=ranks)
     yield world
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_8(fake_world):
+    """fake_world of 8 ranks, seen from rank 0, `per_machine` to a machine."""
+    return lambda per_machine: fake_world(8, per_machine=per_machine)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """fsdp.py: sharding the model over N ranks trains to the same weights as one device; its
 sharded checkpoints resume on any number of ranks; each rank holds 1/N of the training state."""
 
+import importlib
 import json
 import os
 import pickle
@@ -335,3 +336,27 @@ def test_torch_older_than_2_9_is_refused_on_cpu(script, as_torchrun, capsys, mon
     as_torchrun(2)
     refused_in_one_line(script, ["--device=cpu"], "FSDP on CPU (gloo) needs torch 2.9 or later",
                         capsys)
+
+
+def test_evaluation_on_6_ranks_forwards_no_empty_batch_and_counts_only_real_samples(
+        fake_world, monkeypatch):
+    """The 1,000 held-out samples on 6 ranks: 167 each, padded, 166 real on ranks 4 and 5;
+    batches of 83 leave those two a last batch of one padded duplicate. Each rank forwards it
+    (a sharded forward is a collective: its peers wait in the all-gather) and counts none of it.
+    Cut to its real samples first, that batch would be empty, which bf16's flash attention
+    refuses on a GPU (pytorch/pytorch#133780). Rank 5 of a world whose collectives do nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    fsdp = importlib.import_module("fsdp")
+    fake_world(6, rank=5)
+    model = SimpleModel(JOB["hidden"], 2, JOB["heads"])
+    mesh = init_device_mesh("cpu", (6,))
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    forwarded, counted = [], []
+    model.register_forward_pre_hook(lambda _, args: forwarded.append(len(args[0])))
+    monkeypatch.setattr(fsdp.dist, "all_reduce", lambda sums, op: counted.append(sums[1].item()))
+    fsdp.evaluate(model, common.make_dataset("val"), 5, 6, 83, torch.device("cpu"))
+    assert forwarded == [83, 83, 1]
+    assert counted == [166 * common.SEQ_LEN]
