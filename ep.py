@@ -58,7 +58,7 @@ from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import balance, save_atomic, seed_everything, train_state, unloadable
 from common import grid, launch, launch_world, leave, optimizer_share, positive, receive
 from common import rendezvous
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -75,6 +75,7 @@ def parse_args(argv=None):
     if not args.experts or args.experts % args.ep:
         parser.error(f"--ep {args.ep} must divide --experts {args.experts} (each rank holds "
                      f"experts / ep of them); use --experts {args.ep * 2} or another --ep")
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 
@@ -156,25 +157,29 @@ def run_experts_ep(tokens, weights, chosen, moe, experts, group):
     E/EP - 1 (`moe.experts`, keyed by their global numbers). Each token's k slots go to the
     ranks of their experts (dispatch), the experts run on what arrived, and the outputs come
     back (combine), where they add up by the router's weights, as on one device."""
-    ranks, k = dist.get_world_size(group), chosen.shape[1]
-    slots = chosen.flatten()  # slot i: token i // k's choice
-    order = slots.argsort(stable=True)  # the slots by expert, so by the rank that holds it
-    per_expert = torch.bincount(slots, minlength=experts)  # the slots this rank sends each
+    ranks, mine = dist.get_world_size(group), len(moe.experts)
+    # The slots (slot i: token i // k's choice) by expert, so by the rank that holds it, counted
+    # by searchsorted: bincount reads its largest value back to the host on a GPU.
+    slots, order = chosen.flatten().sort(stable=True)
+    per_expert = torch.searchsorted(slots, torch.arange(experts + 1, device=slots.device)).diff()
     # The counts first: each rank learns how many rows it will receive, for which expert.
     incoming = torch.empty_like(per_expert)
     dist.all_to_all_single(incoming, per_expert, group=group)
-    incoming = incoming.view(ranks, -1)  # (source rank, my expert): rows, grouped so
-    sent, received = per_expert.view(ranks, -1).sum(1).tolist(), incoming.sum(1).tolist()
-    rows = AllToAll.apply(tokens[order // k], received, sent, group)  # dispatch
-    mine = torch.tensor([int(e) for e in moe.experts], device=tokens.device)
-    expert_of_row = mine.repeat(ranks).repeat_interleave(incoming.flatten())
-    done = torch.zeros_like(rows)
-    for e, expert in moe.experts.items():
-        at = torch.where(expert_of_row == int(e))[0]
-        done = done.index_add(0, at, expert(rows[at]).to(done.dtype))
+    # The block's one read to the host (a GPU waits for its queue): all_to_all_single's sizes
+    per_expert, incoming = torch.stack([per_expert, incoming]).view(2, ranks, mine).tolist()
+    sent, received = [sum(row) for row in per_expert], [sum(row) for row in incoming]
+    # Each token once per slot by expand: its backward sums the k copies. An index repeating it
+    # would add by index in backward (index_select's, repeat_interleave's: atomics on a GPU).
+    rows = tokens[:, None].expand(*chosen.shape, -1).flatten(0, 1)[order]
+    rows = AllToAll.apply(rows, received, sent, group)  # dispatch
+    pieces = rows.split([count for row in incoming for count in row])  # by (rank, my expert)
+    outs = [expert(torch.cat(pieces[j::mine])).split([row[j] for row in incoming])
+            for j, expert in enumerate(moe.experts.values())]
+    done = torch.cat([outs[j][r] for r in range(ranks) for j in range(mine)])
     back = AllToAll.apply(done, sent, received, group)  # combine: in the order they were sent
     share = weights.flatten()[order, None] * back
-    return torch.zeros_like(tokens).index_add(0, order // k, share.to(tokens.dtype))
+    # Each slot back in place (a permutation), a token's k slots summed in order: no atomic adds
+    return share[order.argsort()].view(*chosen.shape, -1).sum(1).to(tokens.dtype)
 
 
 def hold_experts(model, mesh):
@@ -230,8 +235,10 @@ def train(args, rank, world_size, device):
     # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
-    seed_everything(args.seed)  # every rank builds the same full model before the cut
-    model = SimpleModel.from_args(args).to(device, dtype)
+    # Whole on every rank's CPU (host memory, no collective), cut there: only its share reaches
+    # its device (docs/moe.md: fsdp.py's way, and what each costs).
+    seed_everything(args.seed)
+    model = SimpleModel.from_args(args).to(dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
     compile_and_checkpoint(model.blocks.values(), args)
     full = [name for name, _ in model.named_parameters()]  # one device's, for checkpoints
@@ -242,6 +249,7 @@ def train(args, rank, world_size, device):
     mesh = init_device_mesh(device.type, (world_size // args.ep, args.ep),
                             mesh_dim_names=("dp", "ep"))
     hold_experts(model, mesh)
+    model.to(device)  # this rank's share: the replicated part and its experts
     # --- end ---
     # After the cut: the optimizer holds this rank's parameters only.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -327,10 +335,10 @@ ADAM = ("step", "exp_avg", "exp_avg_sq")  # Adam's state per parameter
 
 
 def gather_full_state(model, optimizer, full, mesh):
-    """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
-    None on the others). The ranks of rank 0's EP group send it their experts' weights and
-    Adam's tensors, as plain tensors in their parameters' order: rank 0 knows every name
-    (`full`, the full model's) and every shape (all experts have its own experts' shapes)."""
+    """The full model's state_dict and Adam's, as one device would have them, on rank 0's CPU
+    (None, None on the others): its EP group sends it their experts' weights and Adam's tensors
+    one at a time, in parameter order, each received into a CPU tensor, so its device never
+    holds another rank's. Rank 0 knows every name (`full`) and shape (its own experts')."""
     own = optimizer.state_dict()["state"]
     held = {name: [p.detach(), *(own[i][key] for key in ADAM)]
             for i, (name, p) in enumerate(model.named_parameters())}
@@ -343,6 +351,7 @@ def gather_full_state(model, optimizer, full, mesh):
                 for tensor in tensors:
                     dist.send(tensor.contiguous().to(device), dst=0)
         return None, None
+    held = {name: [t.cpu() for t in tensors] for name, tensors in held.items()}  # receive's likes
     per_rank = len(next(iter(model.blocks.values())).moe.experts)
     for src in range(1, mesh["ep"].size()):  # in each sender's parameter order
         for name in full:
@@ -350,8 +359,8 @@ def gather_full_state(model, optimizer, full, mesh):
             if is_expert(name) and int(parts[4]) // per_rank == src:
                 like = held[".".join([*parts[:4], "0", *parts[5:]])]  # expert 0: rank 0's
                 held[name] = [receive(tensor, src, device) for tensor in like]
-    weights = {name: held[name][0].cpu() for name in full}
-    adam = {i: dict(zip(ADAM, (t.cpu() for t in held[name][1:]))) for i, name in enumerate(full)}
+    weights = {name: held[name][0] for name in full}
+    adam = {i: dict(zip(ADAM, held[name][1:])) for i, name in enumerate(full)}
     group = dict(optimizer.state_dict()["param_groups"][0], params=list(range(len(full))))
     return weights, {"state": adam, "param_groups": [group]}
 

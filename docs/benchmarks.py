@@ -5,6 +5,7 @@
     python docs/benchmarks.py tp ddp     # only these tables
     python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
     python docs/benchmarks.py ddp fsdp --batch=512 --reps=5   # and 5 repetitions of each row
+    python docs/benchmarks.py ep-save    # ep.py's rank 0 in a save (--script=: another ep.py)
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -261,9 +262,78 @@ def alltoall(steps=8):
             f"{hidden_bytes + count_bytes:,}"]])
 
 
+def ep_save(script="ep.py", ranks=8):
+    """Rank 0's memory while ep.py gathers its checkpoint (gather_full_state), at hidden 256,
+    8 experts, 4 blocks, fp32, EP 8 (each rank holds one expert per block), after an Adam step.
+    In this process, as rank 0 of a group of `ranks` whose collectives move nothing (torch's
+    test backend "fake"): ep.py's own code allocates every tensor it would, at its size, on the
+    device it chooses; the bytes received are zeros. On a GPU: the peak of the bytes
+    allocated on it during the gather, over those allocated before (torch.cuda's counters). On
+    the CPU, where the device is the host: the process's peak resident memory during the
+    gather (VmHWM, reset just before) over its resident memory before. `script`: another
+    ep.py (git show HEAD:ep.py > /tmp/ep.py, say, for the one before a change)."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    sys.path.insert(0, REPO)
+    from common import SimpleModel
+    spec = importlib.util.spec_from_file_location("ep_measured", os.path.join(REPO, script))
+    ep_ = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ep_)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def memory(field):  # bytes: the device's allocated (now or peak), or the process's RSS
+        if device.type == "cuda":
+            return (torch.cuda.memory_allocated() if field == "VmRSS"
+                    else torch.cuda.max_memory_allocated())
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    recv = dist.recv
+
+    def receive(tensor, *args, **kwargs):  # writes every byte, as a real one would (RSS counts
+        work = recv(tensor, *args, **kwargs)  # the pages written, not those only allocated)
+        tensor.zero_()
+        return work
+
+    dist.recv = receive
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    mesh = init_device_mesh(device.type, (1, ranks), mesh_dim_names=("dp", "ep"))
+    model = SimpleModel(hidden=256, blocks=4, heads=4, experts=8, top_k=2)
+    full = [name for name, _ in model.named_parameters()]
+    experts = sum(p.numel() * 4 for name, p in model.named_parameters() if ep_.is_expert(name))
+    ep_.hold_experts(model, mesh)
+    model.to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # Adam's moments exist from the first step on
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the peak resident memory (VmHWM) starts again from now
+    before = memory("VmRSS")
+    state = ep_.gather_full_state(model, optimizer, full, mesh)
+    grown = memory("VmHWM") - before
+    table(f"{script}: rank 0 gathering a checkpoint, EP {ranks}, {device.type}",
+          ["every expert's weights (MiB)", "received: 3 x (EP-1)/EP of them (MiB)",
+           "measured: peak during the gather over before (MiB)"],
+          [[f"{experts / 2**20:.1f}", f"{3 * (ranks - 1) / ranks * experts / 2**20:.1f}",
+            f"{grown / 2**20:.1f}"]])
+    dist.destroy_process_group()
+    dist.recv = recv
+    return state
+
+
 TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
           "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled,
-          "ep": ep, "alltoall": alltoall}
+          "ep": ep, "alltoall": alltoall, "ep-save": ep_save}
 
 if __name__ == "__main__":
     import torch
@@ -273,4 +343,6 @@ if __name__ == "__main__":
         kwargs = {"reps": int(options["reps"])} if "reps" in options else {}
         if "batch" in options and name in ("ddp", "fsdp"):
             kwargs["batches"] = (int(options["batch"]),)
+        if "script" in options and name == "ep-save":
+            kwargs = {"script": options["script"]}
         TABLES[name](**kwargs)
