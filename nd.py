@@ -42,7 +42,8 @@ Launch
 What is added to the pipeline
     diff pipeline.py nd.py: the mesh, then per stage tp.py's plan and FSDP (tp.parallelize)
     before the PipelineStage; the orders are said at their lines, with the error each other
-    order gives.
+    order gives. Built on "meta", filled from rank 0's CPU and a checkpoint gathered back to
+    it one tensor at a time: a device holds its pieces and one whole tensor (docs/memory.md).
 
 Docs
     https://pytorch.org/docs/stable/distributed.pipelining.html
@@ -57,11 +58,12 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -69,7 +71,7 @@ from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
 from common import positive, print0, save_atomic, seed_everything, train_state
 from common import held_bytes, launch, launch_world, leave, receive, rendezvous
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
 from tp import parallelize  # TP's plan, then fully_shard over "dp": tp.py's 2D, per stage
 
@@ -97,6 +99,7 @@ def parse_args(argv=None):
         parser.error("--pp 1: no pipeline; use tp.py (FSDP x TP) or fsdp.py")
     check_stages(parser, args, args.pp, gpus)  # pipeline.py's: schedule, stages, micro-batches
     check_mesh(parser, args, world_size, local_world)
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 
@@ -218,28 +221,41 @@ def train(args, rank, world_size, device):
     # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
-    seed_everything(args.seed)  # every rank builds the same full model before cutting it
-    model = SimpleModel.from_args(args).to(dtype)
-    # Into the full model, before the cut: every stage then starts from its slice of the file.
-    state = load_checkpoint(args, model) if args.checkpoint else None
+    # On "meta": shapes, no storage; every rank knows every stage's names and shapes for free.
+    with torch.device("meta"):
+        model = SimpleModel.from_args(args).to(dtype)
+    state = load_checkpoint(args, model) if args.checkpoint else None  # every rank reads it
     mesh = make_mesh(args, world_size, device)
     dp = mesh["dp"].size()
     owner = placement(args, args.pp)  # stage i's "pp" rank: a loop, or a V (pipeline.py)
     held = [i for i, r in enumerate(owner) if r == mesh.get_local_rank("pp")]
     # --- N-D: each stage cut, then TP's plan over "tp", then FSDP over "dp", then the pipe ---
-    # Cut from the same full model on every rank: the same initial weights whatever the mesh.
     # TP before fully_shard (tp.parallelize does both): the other order fails, "Cannot
-    # distribute a DTensor with device mesh ...". Both before the PipelineStage, which takes
-    # the stage as it will run, and before the optimizer, which must hold the final (sharded)
-    # parameters. FSDP takes each stage as one unit (shard_blocks=False): with each block
-    # sharded on its own, the zero-bubble schedules (whose weights' gradients come after the
-    # backward FSDP's per-block hooks watch) left the later stages' block gradients None
-    # (torch 2.13, docs/pipeline.md). A stage is 1/P of the model, gathered whole while it runs.
+    # distribute a DTensor with device mesh ...". Both before the PipelineStage (it takes the
+    # stage as it will run) and the optimizer (it must hold the sharded parameters). A stage is
+    # one FSDP unit (shard_blocks=False), gathered whole while it runs: block by block, the
+    # zero-bubble schedules left the later stages' block gradients None (docs/pipeline.md).
     stages = []
     for i in held:
-        part = cut(model, i, args.stages).to(device)
+        part = cut(model, i, args.stages)
         compile_and_checkpoint(part.blocks.values(), args)  # per block, before any wrapper
         stages.append(parallelize(part, mesh, shard_blocks=False))
+        part.to_empty(device=device)  # storage for this rank's pieces only, uninitialized
+    full = {}  # the real weights, on rank 0's CPU only: the file's, or one device's (--seed)
+    if rank == 0 and state is not None:
+        full = state["model"]
+    elif rank == 0:
+        seed_everything(args.seed)
+        full = SimpleModel.from_args(args).to(dtype).state_dict()
+    # Rank 0's tensors one at a time to all ranks (a collective: a call per stage held, the j-th
+    # for each rank's j-th stage), each keeping its pieces; not strict: others' keys are there.
+    for j, part in enumerate(stages):
+        slot = [i for i in range(len(owner)) if owner[:i].count(owner[i]) == j]
+        names = {name for i in slot for name in cut(model, i, len(owner)).state_dict()}
+        set_model_state_dict(part, {name: full[name] for name in names} if full else {},
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=True, strict=False))
+    del full  # rank 0's copy: each stage holds its pieces now
     # A PipelineStage talks along "pp" only (group=): its neighbours are the ranks with the same
     # dp and tp coordinates. Each micro-batch is 1/(dp M) of the global batch.
     shape, last = (args.batch_size // (dp * args.microbatches), SEQ_LEN), args.stages - 1
@@ -347,38 +363,43 @@ def train(args, rank, world_size, device):
 
 
 def gather_full_state(model, stages, owner, mesh, optimizers, device):
-    """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
-    None elsewhere). Each stage's full tensors are gathered over its dp x tp ranks (a
-    collective of each), then the first rank of each stage sends them along "pp" to rank 0,
-    as pipeline.py gathers its stages."""
-    weights, adam = {}, {}
-    for part, optimizer in zip(stages, optimizers):  # full tensors: a collective of dp x tp
-        part_weights, part_adam = get_state_dict(part, optimizer,
-                                                 options=StateDictOptions(full_state_dict=True))
-        weights.update(part_weights)
-        adam.update(part_adam["state"])
-    if mesh.get_local_rank("dp") or mesh.get_local_rank("tp"):
-        return None, None
-    pp = mesh.get_group("pp")
+    """The full model's state_dict and Adam's, as one device would have them, on rank 0's CPU
+    (None, None elsewhere), one tensor at a time: gathered whole over its stage's dp x tp ranks,
+    kept by rank 0 or sent to it along "pp" by the stage's first rank (as pipeline.py does)."""
     names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
     keys = ("step", "exp_avg", "exp_avg_sq")  # per parameter: a step count and two moments
-    mine = [name for part in stages for name, _ in part.named_parameters()]
-    if mesh.get_local_rank("pp"):
-        for tensor in [*weights.values(), *(adam[n][k] for n in mine for k in keys)]:
-            dist.send(tensor.contiguous().to(device), dst=0)
+    pp, me = mesh.get_group("pp"), mesh.get_local_rank("pp")
+    first = mesh.get_local_rank("dp") == mesh.get_local_rank("tp") == 0  # its stage's sender
+    kept = {}  # (name, None): a weight; (name, key): a parameter's Adam state
+    # --- N-D: one whole tensor at a time on a device ---
+    # Not get_state_dict(full_state_dict=True): a stage and its moments whole on each rank's
+    # device (cpu_offload=True keeps them on global rank 0 only: other stages' senders get none)
+    for part, optimizer in zip(stages, optimizers):
+        for name, key, tensor in [*((n, None, t) for n, t in part.state_dict().items()),
+                                  *((n, k, optimizer.state[p][k])
+                                    for n, p in part.named_parameters() for k in keys)]:
+            # full_tensor(): an all-gather over dp x tp (the step: a plain tensor, on every rank)
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if first and me:
+                dist.send(whole.contiguous().to(device), dst=0)  # NCCL sends GPU tensors only
+            elif first:
+                kept[name, key] = whole.cpu()
+            del whole  # now, not when the next is gathered: else two are whole at once
+    # --- end ---
+    if not first or me:
         return None, None
-    adam_state = {names.index(n): adam[n] for n in mine}
     for src in range(1, mesh["pp"].size()):
-        parts = [cut(model, i, len(owner)) for i, r in enumerate(owner) if r == src]
         sender = dist.get_global_rank(pp, src)  # its first dp and tp rank
-        for name, like in [kv for part in parts for kv in part.state_dict().items()]:
-            weights[name] = receive(like, sender, device)
-        for name, p in [kv for part in parts for kv in part.named_parameters()]:
-            shapes = {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
-            adam_state[names.index(name)] = {k: receive(shapes[k], sender, device) for k in keys}
+        for part in [cut(model, i, len(owner)) for i, r in enumerate(owner) if r == src]:
+            # In the sender's order; receive() returns on its `like`'s device: the CPU here
+            for name, key, like in [*((n, None, t) for n, t in part.state_dict().items()),
+                                    *((n, k, torch.zeros(()) if k == "step" else p)
+                                      for n, p in part.named_parameters() for k in keys)]:
+                kept[name, key] = receive(torch.empty_like(like, device="cpu"), sender, device)
     group = dict(optimizers[0].state_dict()["param_groups"][0], params=list(range(len(names))))
-    return ({name: weights[name].cpu() for name in model.state_dict()},
-            {"state": dict(sorted(adam_state.items())), "param_groups": [group]})
+    return ({name: kept[name, None] for name in model.state_dict()},
+            {"state": {i: {k: kept[name, k] for k in keys} for i, name in enumerate(names)},
+             "param_groups": [group]})
 
 
 def save_checkpoint(args, weights, adam, step):
@@ -391,8 +412,8 @@ def save_checkpoint(args, weights, adam, step):
 
 
 def load_checkpoint(args, model):
-    """Read --checkpoint into the model if it exists (return its state, or None if there is
-    none); a bad one stops with one line and is left as it was."""
+    """Read --checkpoint if it exists, checked against the model on "meta" (return its state,
+    or None if there is none); a bad one stops with one line and is left as it was."""
     if not os.path.exists(args.checkpoint):
         return None
 
@@ -401,9 +422,9 @@ def load_checkpoint(args, model):
 
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
-        # map_location cpu: a checkpoint written on a GPU loads on any machine.
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
+        # map_location cpu: loads on any machine; mmap: a rank reads only the pages it uses.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        model.load_state_dict({k: v.to("meta") for k, v in state["model"].items()})  # shapes
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
         refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)

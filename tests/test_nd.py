@@ -1,14 +1,18 @@
 """nd.py: a pipeline of TP-cut, FSDP-sharded stages on one (pp, dp, tp) mesh trains to one
 device's weights in float64 under every schedule, on 8 ranks (2 x 2 x 2); its checkpoint
-resumes on another mesh and in single.py; a mesh whose TP groups would span machines, and
-every flag the mesh cannot divide, is refused in one line."""
+resumes on another mesh and in single.py; no rank holds a whole stage at the build or the
+save; a mesh whose TP groups would span machines, and every flag the mesh cannot divide, is
+refused in one line."""
 
+import itertools
 import shutil
 import types
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from common import torch_older_than
+from common import SimpleModel, torch_older_than
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
@@ -77,6 +81,65 @@ def test_fp64_checkpoint_resumes_on_another_mesh_and_in_single_py(runs, tmp_path
                                     f"--checkpoint={tmp_path}/single.pt"], tmp_path)
     assert f"at step {STEPS}" in run[0]
     assert_fp64_run_equals_the_fp64_oracle(run, SEED_A, STEPS + 8, FP64_CLIP, **ORACLE)
+
+
+class Built(Exception):
+    """Raised in place of nd.py's first PipelineStage: its stage is built."""
+
+
+def peak_bytes(prof):
+    """The most bytes of tensors allocated at once in `prof`'s span, over what was held before
+    it: torch.profiler's record of every allocation and free, in order (whole in a fake group;
+    under gloo some frees are missing from it, so docs/memory.md counts malloc's bytes)."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return max(itertools.accumulate(e.self_cpu_memory_usage for e in events), default=0)
+
+
+def test_no_rank_holds_a_whole_stage_at_the_build_or_the_save(as_torchrun, fake_world,
+                                                               monkeypatch):
+    """nd.py as rank 4 (the second stage's sender) of a fake world of 8 (2 x 2 x 2 in this
+    process: collectives that send nothing but allocate what they return). From train()'s
+    start to its first PipelineStage it allocates its pieces (a quarter of a stage: dp x tp =
+    4), under half a stage; while it gathers a checkpoint, under one stage's weights: one
+    whole tensor at a time. Built whole on every rank and cut, it allocated the whole model
+    twice; gathered by DCP's full state_dict, its stage and both of Adam's moments at once.
+    (Rank 0's CPU holds the whole model, the weights it hands out and the file it writes; on
+    a CPU that is its device too, so it is not measured here.)"""
+    import nd
+    from pipeline import cut, placement
+    rank = 4
+    as_torchrun(8)
+    args = nd.parse_args(["--device=cpu", "--fp64", "--hidden=64", *MODEL])
+    built, meshes, make_mesh = [], [], nd.make_mesh  # its stage (gpipe: one a rank), its mesh
+    monkeypatch.setattr(nd, "make_mesh", lambda *a: meshes.append(make_mesh(*a)) or meshes[0])
+
+    def stop(stage, *_, **__):
+        built.append(stage)
+        raise Built
+
+    monkeypatch.setattr(nd, "PipelineStage", stop)
+    # Rank 0's weights come by torch's broadcast, one tensor at a time (its source, 2.10 to
+    # 2.15), which a fake group cannot carry: its object broadcast sends nothing.
+    monkeypatch.setattr(nd, "set_model_state_dict", lambda *_, **__: None)
+    # One such world a process: a second (rank 4 after rank 1) failed in the save's
+    # all-gathers, naming a group of the first ("Could not resolve the process group ...").
+    fake_world(8, rank=rank)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as build:
+        with pytest.raises(Built):
+            nd.train(args, rank, 8, torch.device("cpu"))
+    with torch.device("meta"):
+        model = SimpleModel.from_args(args).to(torch.float64)
+    optimizers = [torch.optim.Adam(part.parameters()) for part in built]
+    for optimizer in optimizers:  # as after a step: a count and two moments per parameter
+        for p in optimizer.param_groups[0]["params"]:
+            optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as save:
+        nd.gather_full_state(model, built, placement(args, 2), meshes[0], optimizers,
+                             torch.device("cpu"))
+    stage = min(8 * sum(p.numel() for p in cut(model, i, 2).parameters()) for i in range(2))
+    assert peak_bytes(build) < stage / 2 and peak_bytes(save) < stage, (
+        peak_bytes(build), peak_bytes(save), stage)
 
 
 def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
