@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -64,6 +64,7 @@ def parse_args(argv=None):
         # which says yes on V100 and T4 too, where bf16 is emulated and fp16 is the fast choice.
         bf16_ok = not use_cuda or torch.cuda.get_device_capability(0)[0] >= 8
         args.dtype = "fp32" if args.fp64 else "bf16" if bf16_ok else "fp16"
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 

@@ -1,14 +1,9 @@
 """What every script in this collection shares and none of them teaches.
 
 First the model and the data (read these: every script trains them); then, behind a banner,
-the plumbing (the flags every script shares and their checks, the per-block compile and
-checkpointing, how many GPUs a machine's ranks have, how a process becomes a rank and leaves
-the group, the one-line error, atomic saves, the checks that a checkpoint belongs to this
-run, the sharded checkpoint's folder and a loader for it that reads data and never code, the
-timer, the state count and the profiler); and the diagnostics (`python common.py`). Nothing
-here teaches DataParallel, DDP, mixed precision, sharding or pipelines: the technique lives in
-its own script, in plain sight, and each script's diff against the one before shows it.
-Importing this file does nothing but define things.
+the plumbing (flags and their checks, launching, checkpoints, the meter and the profiler) and
+the diagnostics (`python common.py`). No technique lives here: each is in its own script, and
+its diff against the one before shows it. Importing this file does nothing but define things.
 """
 
 import argparse
@@ -39,7 +34,7 @@ except ImportError:  # Windows
     resource = None
 
 VOCAB = 32  # token ids 0..31
-SEQ_LEN = 16  # tokens a sequence feeds the model; it is scored on the next token at each
+SEQ_LEN = 16  # tokens a sequence feeds the model; scored on the next token at each
 PERIOD = SEQ_LEN // 2  # a sequence is PERIOD random tokens, repeated (see make_dataset)
 DATASET_SIZE = 2048  # training sequences
 VAL_SIZE = 1000  # held-out sequences
@@ -48,28 +43,26 @@ DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed mov
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention: q, k, v projections, attention within each head, and
-    the output projection `o` that mixes the heads back into the hidden width. q, k and v are
-    separate layers (not one fused qkv) so that tp.py can give each rank whole heads of all
-    three."""
+    """Causal multi-head self-attention: q, k, v, attention within each head, and `o`, which
+    mixes the heads back. Separate q, k, v: tp.py's column cut gives each rank whole heads of
+    all three (a fused qkv must be laid out for it: docs/course.md#putting-your-own-model-in)."""
 
     def __init__(self, hidden, heads):
         super().__init__()
-        # How many heads this module's q, k, v outputs hold: `heads` of hidden // heads
-        # numbers each. tp.py lowers it to the heads one rank holds after cutting q, k and v.
-        self.heads = heads
+        # A head's width, not a count: the heads are as many as q, k and v hold, H on one
+        # device, H/T on a rank of tp.py's (a count kept here would split those into H).
+        self.head_width = hidden // heads
         self.q = nn.Linear(hidden, hidden)
-        # No bias on k: it would add q . bias to every score of a query alike, which softmax
-        # ignores, so its gradient is zero, but for rounding noise that Adam (dividing each
-        # entry by its own size) turns into full-size steps: drift, and no learning.
+        # No bias on k: softmax ignores what it adds to all of a query's scores alike, so its
+        # gradient is rounding noise, which Adam turns into full-size steps: drift, no learning.
         self.k = nn.Linear(hidden, hidden, bias=False)
         self.v = nn.Linear(hidden, hidden)
         self.o = nn.Linear(hidden, hidden)
 
     def forward(self, x):
         batch, seq, _ = x.shape
-        # (batch, seq, width) -> (batch, heads, seq, width // heads): attention runs per head.
-        q, k, v = (proj(x).view(batch, seq, self.heads, -1).transpose(1, 2)
+        # (batch, seq, width) -> (batch, heads, seq, head_width): attention runs per head.
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_width).transpose(1, 2)
                    for proj in (self.q, self.k, self.v))
         y = self.attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
@@ -96,9 +89,9 @@ class Expert(nn.Module):
 
 class MoE(nn.Module):
     """A mixture of `experts` feed-forwards (--experts, --top-k k): a router's softmax scores
-    each token for every expert, the token goes to its k best, and their outputs add up, each
-    weighted by its probability: not renormalized (with k = 1 that would be 1, and the router
-    would learn nothing from the loss). Dropless: no capacity (docs/moe.md)."""
+    each token for every expert, the token goes to its k best, their outputs added up weighted
+    by its probabilities: not renormalized (with k = 1 that would be 1, and the router would
+    learn nothing from the loss). Dropless: no capacity (docs/moe.md)."""
 
     def __init__(self, hidden, experts, top_k):
         super().__init__()
@@ -114,11 +107,13 @@ class MoE(nn.Module):
         # they are summed over every token below, where bf16 keeps 8 bits.
         probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k): the k best experts
-        # For the balancing loss (balance_loss): how many tokens each expert got, and the
-        # router's probabilities for it summed over the tokens (these carry its gradient).
-        # Counted as integers, kept beside the sums in fp32: exact up to 2**24 per micro-batch.
-        self.routed = torch.stack([torch.bincount(chosen.flatten(), minlength=probs.shape[1])
-                                   .to(probs.dtype), probs.sum(dim=0)])
+        # For balance_loss: the token slots each expert got, counted as integers (bincount would
+        # read back to the host on a GPU), and the router's probabilities summed (the gradient's
+        # path), in fp32 at least: the counts exact up to 2**24 per micro-batch.
+        slots = chosen.flatten()
+        counts = torch.zeros_like(probs[0], dtype=torch.int64).scatter_add_(
+            0, slots, torch.ones_like(slots))
+        self.routed = torch.stack([counts.to(probs.dtype), probs.sum(dim=0)])
         return self.run_experts(tokens, weights, chosen).view_as(x)
 
     def run_experts(self, tokens, weights, chosen):
@@ -132,10 +127,9 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm block: x + attn(norm(x)), then x + the feed-forward (`up`, `down`) or the
-    mixture (`moe`) of norm(x). Attention mixes positions, the feed-forward works on each alone;
-    pre-norm (as GPT-2 and Llama) and the residuals let deep stacks train. tp.py cuts q, k, v
-    and `up` by columns, `o` and `down` by rows: two all-reduces per block each way."""
+    """A pre-norm block (as GPT-2 and Llama): x + attn(norm(x)), then x + the feed-forward
+    (`up`, `down`) or the mixture (`moe`) of norm(x). Attention mixes positions, the
+    feed-forward works on each alone. tp.py's plan: two all-reduces per block each way."""
 
     def __init__(self, hidden, heads, experts=0, top_k=1):
         super().__init__()
@@ -151,9 +145,8 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x))
         if self.moe is not None:
             return x + self.moe(self.mlp_norm(x))
-        # GELU, as GPT-2: smooth where ReLU has a kink at 0, where an input within rounding of
-        # 0 lets two correct summation orders (ranks, micro-batches, GPU kernels) pass a token's
-        # gradient or not, and Adam makes fp32 runs that should match part (docs/drift.md).
+        # GELU, as GPT-2: at ReLU's kink, two correct summation orders (ranks, GPU kernels) of
+        # an input near 0 pass its gradient or not, and Adam parts fp32 runs (docs/drift.md).
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
 
@@ -161,12 +154,19 @@ class SimpleModel(nn.Module):
     """A small causal language model: tokens -> embedding + position embedding -> `blocks` x
     Block -> final LayerNorm -> `output` (logits over the vocabulary at every position).
 
-    GPT-2's shape in miniature (about 0.2 M parameters at the defaults). No dropout: its masks
-    come from each process's own random stream, a difference from one device that is not the
-    strategy's. LayerNorm, unlike BatchNorm, does not depend on which samples share a rank.
+    GPT-2's shape in miniature (about 0.2 M parameters at the defaults). No dropout (its masks
+    are each process's own); LayerNorm, unlike BatchNorm, ignores which samples share a rank.
     The blocks are a ModuleDict keyed "0", "1", ...: a pipeline stage deletes those it does not
     own and keeps the full model's parameter names (its state_dict is a slice of the full one).
     """
+
+    # What tp.py cuts, by name ("*": any block), and how (tp.py's `styles`): the model's plan,
+    # as Hugging Face's models carry theirs (base_model_tp_plan).
+    tp_plan = {"blocks.*.attn_norm": "norm", "blocks.*.attn": "shared_input",
+               "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+               "blocks.*.attn.v": "colwise", "blocks.*.attn.o": "rowwise",
+               "blocks.*.mlp_norm": "norm", "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
+               "norm": "norm", "output": "head"}
 
     def __init__(self, hidden=64, blocks=4, heads=4, experts=0, top_k=1):
         super().__init__()
@@ -175,16 +175,13 @@ class SimpleModel(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(hidden, heads, experts, top_k)
                                      for i in range(blocks)})
         self.norm = nn.LayerNorm(hidden)
-        # Not tied to `embed` (GPT-2 ties them): a tied weight is used by the first and the
-        # last layer, so a pipeline would hold it on two stages and must add up its two
-        # gradients, and FSDP and TP must shard it one way for both uses. Untied, every
-        # parameter lives in exactly one place.
+        # Untied from `embed` (GPT-2 ties them): a pipeline would hold a tied weight on its first
+        # and last stages (pipeline.py refuses it). Untied, every parameter lives in one place.
         self.output = nn.Linear(hidden, VOCAB)
 
     def forward(self, x, positions=None):
         if self.embed is not None:  # a pipeline's later stages take activations, not tokens
-            # positions: where each of x's tokens sits in its sequence; 0, 1, ... unless the
-            # tokens are pieces of their sequences (context parallelism, cp.py).
+            # positions: where x's tokens sit in their sequences (pieces of them under cp.py)
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             x = self.embed(x) + self.pos(positions)
@@ -200,18 +197,15 @@ class SimpleModel(nn.Module):
         return cls(args.hidden, args.blocks, args.heads, args.experts, args.top_k)
 
     def routed(self):
-        """Per MoE block, from the last forward: the tokens each expert got, and the router's
-        probabilities for it summed over the tokens: (blocks, 2, experts)."""
+        """MoE.routed of every block, from the last forward: (blocks, 2, experts)."""
         return torch.stack([block.moe.routed for block in self.blocks.values()])
 
 
 def balance_loss(routed, top_k):
-    """The Switch/GShard load-balancing loss, E x sum over experts of f_e x P_e (f_e: the share
-    of the token slots expert e got; P_e: its mean router probability), averaged over the
-    blocks: 1 when balanced, up to E/k (a token gives one expert at most 1/k of its slots);
-    with k = E every expert gets every token and it is the constant 1. Only P carries a
-    gradient. From `routed`, summed over the ranks that share one device's micro-batch (a
-    product of means: not a sum of theirs)."""
+    """The Switch/GShard load-balancing loss, E x sum over experts of f_e x P_e (f_e: expert e's
+    share of the token slots, at most 1/k; P_e: its mean router probability), averaged over the
+    blocks: 1 when balanced (always, with k = E), up to E/k. Only P carries a gradient. From
+    `routed` summed over the ranks that share one device's micro-batch (a product of means)."""
     tokens = routed[0, 0].sum() / top_k
     share, mean_prob = routed[:, 0] / (tokens * top_k), routed[:, 1] / tokens
     return routed.shape[-1] * (share * mean_prob).sum(dim=-1).mean()
@@ -233,9 +227,9 @@ def make_dataset(split="train", dtype=torch.float32):
     loss above (PERIOD - 1) / SEQ_LEN x ln(VOCAB) = 1.52; from position PERIOD - 1 on, the next
     token is a copy of the one PERIOD back. So the held-out loss falls from ln(32) = 3.47
     towards 1.52 as far as attention learns to look back (the training loss can go lower by
-    memorizing). split "train": DATASET_SIZE sequences; "val": VAL_SIZE others (1000: 3, 6,
-    7 and 8 ranks make DistributedSampler pad). Its own generator: the global RNG is left
-    alone. `dtype` does not change the tokens (integers): --fp64 trains on the same data.
+    memorizing). split "train": DATASET_SIZE sequences; "val": VAL_SIZE others (3, 6 and 7
+    ranks make DistributedSampler pad them). Its own generator: the global RNG is left alone.
+    `dtype` does not change the tokens (integers): --fp64 trains on the same data.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -1256,6 +1250,76 @@ def log_line(step, steps, loss, grad_norm, samples_per_s):
 def eval_line(step, steps, val_loss):
     """The line printed after each evaluation on the held-out set."""
     return f"eval {step:5d}/{steps} | val loss {val_loss:.6f}"
+
+
+# --- Your model, checked before any process starts: what would train differently from one
+# device without an error is refused in one line (docs/course.md#putting-your-own-model-in).
+
+def check_model(parser, args, ranks=None):
+    """Refuse (parser.error) a model this run would train silently differently from one
+    device: BatchNorm where ranks (`ranks`: by default this run's) or micro-batches each see a
+    part of the batch; a tied weight in a pipeline (--microbatches), whose stages would each
+    train a copy; and with --tp (tp.py, nd.py) a tp_plan that names a module the model lacks, an
+    unknown kind, cuts nothing, or cuts a tied head over the vocabulary (--loss-parallel)."""
+    from fnmatch import fnmatch
+    with torch.device("meta"):  # shapes only, however large (as fsdp.py and tp.py build it)
+        model = SimpleModel.from_args(args)
+    name = type(model).__name__
+    if ranks is None:  # a script with --nproc runs torchrun's ranks, or --nproc of its own
+        ranks = (int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.nproc or 1
+                 ) if "nproc" in args else 1
+    micro = getattr(args, "accum_steps", None) or getattr(args, "microbatches", None) or 1
+    for path, module in model.named_modules():  # _BatchNorm: every BatchNorm, Sync and Lazy too
+        sync = isinstance(module, nn.SyncBatchNorm) and micro == 1  # synced over the ranks
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and ranks * micro > 1 and not sync:
+            parser.error(f"{name}.{path} is a {type(module).__name__}: it normalizes by the "
+                         "statistics of the samples it sees, and here ranks or micro-batches "
+                         "each see a part of the batch; use nn.GroupNorm or nn.LayerNorm (or, on "
+                         "GPUs without micro-batches, nn.SyncBatchNorm.convert_sync_batchnorm)")
+    holders = {}  # a parameter's names: two or more where it is tied
+    for path, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(path)
+    tied = [paths for paths in holders.values() if len(paths) > 1]
+    if tied and "microbatches" in args:  # pipeline.py, nd.py
+        parser.error(f"{' and '.join(tied[0])} are one tensor (tied): a pipeline holds them "
+                     "on two stages, which would train two copies apart; untie them (a "
+                     "weight of its own for each), or use ddp.py, fsdp.py or tp.py")
+    if "tp" not in args:
+        return
+    plan = getattr(model, "tp_plan", None) or {}
+    kinds = ("colwise", "rowwise", "shared_input", "norm", "head")  # tp.py's styles of them
+    names = [path.split(".") for path, _ in model.named_modules()]
+    def resolved(key):  # as parallelize_module matches it: name by name, "*" for any
+        return [".".join(n) for n in names if len(n) == len(key.split("."))
+                and all(map(fnmatch, n, key.split(".")))]
+    for key, kind in plan.items():
+        if kind not in kinds:
+            parser.error(f"{name}.tp_plan[{key!r}] = {kind!r}: a kind tp.py does not know; "
+                         f"use one of {', '.join(kinds)}")
+        if not resolved(key):
+            parser.error(f"{name}.tp_plan: {key!r} names no module of {name} (torch would "
+                         "skip it with a warning); write the names model.named_modules() "
+                         "gives, with * for a block's key")
+        layers = [model.get_submodule(path) for path in resolved(key)]
+        other = next((m for m in layers if not isinstance(m, (nn.Linear, nn.Embedding))), None)
+        if kind in ("colwise", "rowwise") and other is not None:
+            parser.error(f"{name}.tp_plan: {key!r} is a {type(other).__name__}, and TP cuts "
+                         "nn.Linear and nn.Embedding only; make it an nn.Linear (a Conv1D's "
+                         "weight is a Linear's, transposed)")
+    if getattr(args, "sequence_parallel", False) and not resolved("blocks.0"):
+        parser.error(f"--sequence-parallel: tp.py gives the first block, blocks.0, its part of "
+                     f"the sequence, and {name} has none; register the blocks as `blocks`, an "
+                     "nn.ModuleDict keyed \"0\", \"1\", ...")
+    if not {"colwise", "rowwise"} & set(plan.values()):
+        parser.error(f"{name}.tp_plan cuts nothing (no colwise or rowwise layer): every rank "
+                     "would hold and compute the whole model; write one "
+                     "(docs/course.md#putting-your-own-model-in)")
+    heads = {m for key, kind in plan.items() if kind == "head" for m in resolved(key)}
+    for paths in tied if getattr(args, "loss_parallel", False) else ():
+        if any(path.rsplit(".", 1)[0] in heads for path in paths):
+            parser.error(f"--loss-parallel: {' and '.join(paths)} are one tensor (tied), and "
+                         "loss parallelism would cut the head's over the vocabulary, the "
+                         "other's left whole; drop --loss-parallel, or untie them")
 
 
 # ---------------------------------------------------------------------------------------------

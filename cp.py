@@ -80,7 +80,7 @@ from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_datas
 from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import balance, save_atomic, seed_everything, train_state, unloadable
 from common import SEQ_LEN, grid, launch, launch_world, leave, positive, rendezvous
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -98,6 +98,7 @@ def parse_args(argv=None):
     if SEQ_LEN % (2 * args.cp):
         parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp equal"
                      f" chunks (each rank takes two); use a --cp that divides {SEQ_LEN // 2}")
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 

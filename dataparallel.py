@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import save_atomic, seed_everything, train_state, unloadable
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -64,6 +64,7 @@ def parse_args(argv=None):
                      f"{torch.cuda.device_count()} GPUs (its replicas would all run GPU 0's "
                      "weights); use ddp.py --activation-checkpointing, or one GPU "
                      "(CUDA_VISIBLE_DEVICES=0)")
+    check_model(parser, args, ranks=torch.cuda.device_count() if use_cuda else 1)
     return args
 
 

@@ -73,7 +73,7 @@ from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_datas
 from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import balance, save_atomic, seed_everything, train_state, unloadable
 from common import launch, launch_world, leave, rendezvous
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -84,6 +84,7 @@ def parse_args(argv=None):
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
     # torchrun's ranks, or the --nproc workers started here (common.py)
     launch_world(parser, args, own_gpus=False)
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 

@@ -84,7 +84,7 @@ from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import balance, positive, save_atomic, seed_everything, train_state
 from common import launch, launch_world, leave, rendezvous
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -104,6 +104,7 @@ def parse_args(argv=None):
         parser.error(f"--replicate {args.replicate} must divide the world size {world_size}")
     if args.fp64 and args.mixed_precision != "off":
         parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: drop one of them")
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 

@@ -68,7 +68,7 @@ from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
 from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
 from common import positive, print0, save_atomic, seed_everything, torch_older_than, train_state
 from common import launch, launch_world, leave, optimizer_share, receive, rendezvous
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 # --schedule: (torch's class, its stages per rank by default, placed in a V: docs/pipeline.md)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1, False), "1f1b": (Schedule1F1B, 1, False),
@@ -93,6 +93,7 @@ def parse_args(argv=None):
     # torchrun's ranks, or the --nproc workers started here: a stage each (common.py)
     world_size, _, gpus = launch_world(parser, args, data_parallel=False, stages=True)
     check_stages(parser, args, world_size, gpus)
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 

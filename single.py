@@ -43,13 +43,14 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
 from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__)  # the flags every script shares (docs/usage.md)
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 

@@ -17,7 +17,8 @@ What it teaches
     on the same samples. With --tp T smaller than the world size W, the W ranks form a grid of
     W/T groups ("dp") of T ranks ("tp"): TP inside each group, FSDP across the groups, each
     group on its own shard of every batch (2D). With global batch B the result equals one
-    device with batch B: the tests prove it in float64 to 1e-9.
+    device with batch B: the tests prove it in float64 to 1e-9. The model's tp_plan names what
+    is cut; tp.py refuses one it cannot follow (docs/course.md#putting-your-own-model-in).
 
     --sequence-parallel (SP, Megatron-LM's, which comes with TP in transformers): between the
     TP regions (the norms, the residual sums) each rank holds 1/T of the sequence instead of
@@ -67,6 +68,7 @@ import contextlib
 import datetime
 import itertools
 import os
+from fnmatch import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -76,7 +78,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
@@ -89,7 +91,7 @@ from common import check_resumable, fail, held_bytes, loss_fn, print0
 from common import positive, save_atomic, seed_everything, train_state
 from common import grid, launch, launch_world, leave, rendezvous
 from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
-from common import check_shared_flags, compile_and_checkpoint, shared_parser
+from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
 
 
 def parse_args(argv=None):
@@ -118,6 +120,7 @@ def parse_args(argv=None):
     if local_world % args.tp:  # a TP group is T consecutive ranks, numbered machine by machine
         parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would span "
                      f"machines (all-reduces on the network); use a --tp dividing {local_world}")
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 
@@ -193,49 +196,62 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
     # sequence instead: a region's all-reduce becomes a reduce-scatter after it and an
     # all-gather before the next (the same bytes), and those activations shrink to 1/T.
     between = Shard(1) if sequence_parallel else Replicate()
-    for block in model.blocks.values():
-        plan = {
-            # The attention's input made a DTensor once, before q, k and v: backward then
-            # all-reduces their three input gradients as one sum (not three all-reduces).
-            "attn": PrepareModuleInput(input_layouts=between, desired_input_layouts=Replicate()),
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=between),
-            "up": ColwiseParallel(input_layouts=between),
-            "down": RowwiseParallel(output_layouts=between)}
-        if sequence_parallel:
-            # The norms see 1/T of the tokens: their gradients are Partial() sums (train()
-            # adds them up); left out, each rank's norms would drift apart on its own tokens.
-            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
-        parallelize_module(block, mesh["tp"], plan)
-        # Each rank holds H/T heads now; left at H, attention would cut its slice into H
-        # heads of 1/T the width: shapes that fit, over the wrong numbers, silently.
-        block.attn.heads //= mesh["tp"].size()
+    styles = {  # each kind of the model's tp_plan (SimpleModel.tp_plan) as torch's style
+        "colwise": ColwiseParallel(input_layouts=between),
+        "rowwise": RowwiseParallel(output_layouts=between),
+        # The attention's input made a DTensor once, before q, k and v: backward then
+        # all-reduces their three input gradients as one sum (not three all-reduces).
+        "shared_input": PrepareModuleInput(input_layouts=between,
+                                           desired_input_layouts=Replicate()),
+        # SP: the norms see 1/T of the tokens, their gradients are Partial() sums (train()
+        # adds them up); left out, each rank's norms would drift apart on its own tokens.
+        "norm": SequenceParallel() if sequence_parallel else None, "head": None}
     # The ends: with SP the first block takes its part of the sequence, the final norm works on
     # parts; loss parallelism cuts the head over the vocabulary and leaves its logits cut.
     ends = {}
     if sequence_parallel:
         ends["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
                                               desired_input_layouts=Shard(1), use_local_output=True)
-        ends["norm"] = SequenceParallel()
     if vocab_parallel:
-        ends["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+        styles["head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                          use_local_output=False)
     elif sequence_parallel:
-        ends["output"] = PrepareModuleInput(input_layouts=between,
-                                            desired_input_layouts=Replicate(),
-                                            use_local_output=True)
-    if ends:
-        parallelize_module(model, mesh["tp"], ends)
+        styles["head"] = PrepareModuleInput(input_layouts=between, use_local_output=True,
+                                            desired_input_layouts=Replicate())
+    # q, k and v, inside the attention's shared input, take it whole; `up` takes `between`.
+    inside = tuple(f"{name}." for name, kind in model.tp_plan.items() if kind == "shared_input")
+    plan = {name: ColwiseParallel() if kind == "colwise" and name.startswith(inside) else
+            styles[kind] for name, kind in model.tp_plan.items() if styles[kind]}
+    tensors = len(list(model.parameters()))  # a tied weight counts once
+    parallelize_module(model, mesh["tp"], {**ends, **plan})
     # What TP leaves whole becomes a replicated DTensor too (taking and giving plain tensors):
     # beside DTensors a plain one stops Adam's foreach path, "got mixed torch.Tensor and DTensor".
     def replicated(_, inputs, tp_mesh):
         return tuple(x if isinstance(x, DTensor) else
                      DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False) for x in inputs)
+    # Each parameter made a DTensor once: a weight two modules share (a head tied to the
+    # embedding), made one module at a time, would become two copies, trained apart, silently.
+    replicas = {}
+    def replicate_once(_, module, tp_mesh):
+        for key, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                if id(p) not in replicas:  # as distribute_module's default makes it
+                    replicas[id(p)] = torch.nn.Parameter(
+                        distribute_tensor(p.data, tp_mesh, [Replicate()]), p.requires_grad)
+                module.register_parameter(key, replicas[id(p)])
     for module in model.modules():
         held = list(module.parameters(recurse=False))
         if held and not isinstance(held[0], DTensor):
-            distribute_module(module, mesh["tp"], input_fn=replicated,
+            distribute_module(module, mesh["tp"], replicate_once, input_fn=replicated,
                               output_fn=lambda _, output, tp_mesh: output.to_local())
+    # The weight of every layer the plan cuts is cut, no tie split: checked, not assumed.
+    cut = [p.placements[0].is_shard() for name, p in model.named_parameters() if any(fnmatch(
+        name, f"{key}.weight") for key, kind in model.tp_plan.items() if kind.endswith("wise"))]
+    why = ("cuts nothing" if not any(cut) else "leaves a layer it names whole" if not all(cut)
+           else "splits a tied weight in two" if len(list(model.parameters())) != tensors else None)
+    if why:
+        fail(f"tp.py: error: {type(model).__name__}'s tp_plan {why}: docs/course.md#putting-"
+             "your-own-model-in says what to write")
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard cuts the pieces over "dp" (1/(D*T) of a block per rank); the

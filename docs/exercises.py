@@ -10,9 +10,10 @@ once with --fp64 and once without; each is compared with tests/reference.py in t
 precision. Prints the max weight difference and the printed validation loss's distance from the
 exact one; for the fused qkv layer, whose weights have other names, the first step's loss; for
 the CP loss averaged over a rank's own tokens, the last printed loss; for the ring that skips a
-hop, how long the job takes to fail, and its first error line. The mistakes that no weight
-shows (the collective count, the checkpoint's keys, the clipped norm, the mesh built tp first)
-are measured by their tests.
+hop, how long the job takes to fail, and its first error line; for the tied weight, against
+single.py on the same tied model (tests/gpt_like.py), not the oracle. The mistakes that no
+weight shows (the collective count, the checkpoint's keys, the clipped norm, the mesh built tp
+first, the plan key refused) are measured by their tests.
 """
 
 import os
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -35,7 +38,7 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "mean of per-rank validation means": (3, [], 4),
     "loss not divided when accumulating": (None, ["--accum-steps=3"], 40),
     "TP group fed by rank": (2, ["--heads=4"], 40),
-    "TP: local head count left global": (2, ["--heads=4"], 40),
+    "TP: attention that counts its heads": (2, ["--heads=4"], 40),
     "TP: a fused qkv layer cut by columns": (2, ["--heads=4"], 2),
     "SP: a norm left out of the plan": (2, ["--heads=4", "--sequence-parallel"], 40),
     "optimizer built before fully_shard": (1, [], 4),
@@ -48,8 +51,33 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     **{name: (2, test_zoo.EP_FLAGS, 40) for name in test_zoo.MISTAKES if name.startswith("EP")},
     "ND: the norm clipped per stage": (2, [*test_zoo.ND_FLAGS, f"--clip={conftest.FP64_CLIP}"], 40),
     "ND: the micro-batches counted twice": (2, test_zoo.ND_FLAGS, 40),
-    "ND: a seed per stage": (2, test_zoo.ND_FLAGS, 40),
+    "ND: a seed per rank": (2, test_zoo.ND_FLAGS, 40),
+    # against single.py on the same tied model (tests/gpt_like.py): the oracle's is untied
+    "TP: a tied weight made a DTensor module by module": (2, ["--heads=4"], 40),
 }
+TIED = "TP: a tied weight made a DTensor module by module"
+
+
+def with_gpt_like(script, where):
+    """`script` in `where`, beside tests/gpt_like.py and a common.py that ends with the line
+    that puts it in (tests/test_own_model.py's way); returns the copy."""
+    where.mkdir(parents=True, exist_ok=True)
+    copy = where / Path(script).name
+    copy.write_text(Path(script).read_text())
+    (where / "gpt_like.py").write_text((REPO / "tests" / "gpt_like.py").read_text())
+    (where / "common.py").write_text((REPO / "common.py").read_text()
+                                     + "\nfrom gpt_like import SimpleModel\n")
+    return copy
+
+
+def tied_model_oracle(where, flags, extra, env):
+    """single.py's final weights, per-step losses and validation loss on the GPT-2."""
+    script = with_gpt_like(REPO / "single.py", where)
+    result = subprocess.run([sys.executable, str(script), *conftest.JOB_FLAGS, *flags, *extra,
+                             "--log-every=1", f"--save={where / 'one.pt'}"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600, check=True)
+    return (torch.load(where / "one.pt", weights_only=True),
+            conftest.logged_losses(result.stdout), conftest.summary_val_loss(result.stdout))
 
 
 def main():
@@ -65,16 +93,22 @@ def main():
         moe = {key: int(f.split("=")[1]) for f in extra for key in ("experts", "top_k")
                if f.startswith(f"--{key.replace('_', '-')}=")}
         for precision in ("fp32", "fp64"):
-            _, oracle, losses = reference_train(**dict(job, steps=steps, heads=heads),
-                                                fp64=precision == "fp64", clip=clip, **moe)
-            exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads, **moe)
+            flags = [f for f in conftest.fp64(job["seed"], steps=steps)
+                     if precision == "fp64" or f != "--fp64"]
+            if name == TIED:  # the oracle: single.py, with the GPT-2 swapped in as a user does
+                oracle, losses, exact = tied_model_oracle(folder / f"{i}{precision}", flags,
+                                                          extra, env)
+            else:
+                _, oracle, losses = reference_train(**dict(job, steps=steps, heads=heads),
+                                                    fp64=precision == "fp64", clip=clip, **moe)
+                exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads, **moe)
             row = []
             for kind in ("correct", "mistake"):
                 where = folder / f"{i}{precision}{kind}"
                 script = (test_zoo.mutant(name, where) if kind == "mistake"
                           else REPO / test_zoo.MISTAKES[name][0])
-                flags = [f for f in conftest.fp64(job["seed"], steps=steps)
-                         if precision == "fp64" or f != "--fp64"]
+                if name == TIED:
+                    script = with_gpt_like(script, where)
                 where.mkdir(parents=True, exist_ok=True)
                 cmd = ([sys.executable, script] if nproc is None
                        else conftest.torchrun_cmd(nproc, script))
@@ -97,7 +131,8 @@ def main():
                     first = conftest.logged_losses(result.stdout)[0]
                     row.append(f"{kind} first loss {abs(first - losses[0]):.1e} away")
                     continue
-                weights = conftest.load_saved(where / "w.pt")
+                weights = (torch.load(where / "w.pt", weights_only=True) if name == TIED
+                           else conftest.load_saved(where / "w.pt"))
                 row.append(f"{kind} {conftest.max_diff(weights, oracle):.1e} (val loss "
                            f"{abs(conftest.summary_val_loss(result.stdout) - exact):.1e})")
             print(f"{name:36s} {precision}: {'   '.join(row)}", flush=True)

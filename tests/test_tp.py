@@ -1,7 +1,8 @@
 """tp.py: cutting every block over T ranks (tensor parallelism), and 2D (FSDP across TP groups),
 trains to the same weights as one device; its checkpoints resume on another mesh; each rank
 holds its share; one TP forward and backward make exactly the theory's collectives; a TP group
-fed different data on its ranks would be caught."""
+fed different data on its ranks would be caught; a head tied to the embedding stays one tensor
+and trains as one device trains it, and a plan that would split it, or cut nothing, stops."""
 
 import re
 import shutil
@@ -10,12 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import common
 from common import SEQ_LEN, VOCAB, SimpleModel
-from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
-                      assert_checkpoints_resume_to_the_oracle,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, FP64_TOL,
+                      JOB, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      max_diff, needs_cuda, ok, refused_in_one_line, run_as_only_rank, succeeded,
+                      logged_norms, logged_step_losses, max_diff, needs_cuda, ok,
+                      refused_in_one_line, run_as_only_rank, run_in_process, succeeded,
                       summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -170,7 +173,63 @@ def test_each_rank_holds_1_over_t_of_each_block_and_1_over_dt_in_2d(dp, tp, sp, 
     for name, p in model.named_parameters():
         share = p.to_local().numel() / p.numel() if hasattr(p, "to_local") else 1
         assert share == (1 / (dp * tp) if cut_by_tp(name, lp) else 1 / dp), name
-    assert all(block.attn.heads == 4 // tp for block in model.blocks.values())
+
+
+class TiedHead(SimpleModel):
+    """SimpleModel with its head tied to its embedding, as GPT-2's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.output.weight = self.embed.weight
+
+
+class Uncut(SimpleModel):
+    tp_plan = {"norm": "norm"}  # names a module, cuts none
+
+
+class Misnamed(SimpleModel):  # q by a key that torch skips (with a warning): q left whole
+    tp_plan = {**{k: v for k, v in SimpleModel.tp_plan.items() if k != "blocks.*.attn.q"},
+               "blocks.*.q": "colwise"}
+
+
+@pytest.mark.parametrize("model, vocab_parallel, message", [
+    (TiedHead, False, None),
+    (TiedHead, True, "TiedHead's tp_plan splits a tied weight in two"),
+    (Uncut, False, "Uncut's tp_plan cuts nothing"),
+    (Misnamed, False, "Misnamed's tp_plan leaves a layer it names whole")])
+def test_parallelize_keeps_a_tied_weight_one_dtensor_or_stops_in_one_line(
+        model, vocab_parallel, message, fake_group):
+    """Checked after the cut, not assumed: the head and the embedding stay one parameter (one
+    DTensor, on the 2D mesh too); a plan that cut the head over the vocabulary, its twin
+    whole, cut nothing at all, or left a layer it names whole, stops with the line (tp.py's
+    parse_args refuses them earlier: tests/test_own_model.py)."""
+    import tp as tp_script
+    with torch.device("meta"):
+        built = model(hidden=32, blocks=2, heads=4)
+    if message is None:
+        built = tp_script.parallelize(built, fake_group(2, 2), sequence_parallel=True)
+        assert built.output.weight is built.embed.weight
+        assert len(list(built.parameters())) == len(list(SimpleModel(32, 2, 4).parameters())) - 1
+    else:
+        with pytest.raises(SystemExit, match=message):
+            tp_script.parallelize(built, fake_group(1, 2), vocab_parallel=vocab_parallel)
+
+
+def test_fp64_a_tied_head_through_tp_equals_one_device(tmp_path, monkeypatch):
+    """tp.py makes each parameter a DTensor once, so a tied head and embedding train as one
+    device trains them: weights, every logged loss and gradient norm. Made a DTensor module by
+    module (torch's distribute_module), they would be two copies trained apart (the bug zoo)."""
+    import single
+    import tp as tp_script
+    for module in (common, single, tp_script):  # the user's line at the end of common.py
+        monkeypatch.setattr(module, "SimpleModel", TiedHead)
+    flags = [*fp64(SEED_A, steps=16), f"--heads={HEADS}", "--log-every=4"]  # past an epoch
+    one_out, one = run_in_process("single", flags, tmp_path)
+    out, weights = run_as_only_rank("tp", flags, tmp_path)
+    assert max_diff(weights, one) < FP64_TOL
+    assert torch.equal(weights["output.weight"], weights["embed.weight"])  # saved as one
+    assert logged_step_losses(out) == pytest.approx(logged_step_losses(one_out), abs=1e-6)
+    assert logged_norms(out) == pytest.approx(logged_norms(one_out), rel=1e-6)
 
 
 KINDS = {"all_reduce": "all-reduce", "allreduce_": "all-reduce",  # functional and c10d names
