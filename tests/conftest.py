@@ -101,9 +101,9 @@ def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"],
 # part by as much), every 3-head run at most 2.1e-6 (docs/proofs.md, `python docs/proofs.py`):
 # TOL is 5x the largest. A real mistake (a wrong sample, a missing average, a skipped sync)
 # moves 1e-2 or more here, and far more than FP64_TOL in fp64 (the bug zoo, tests/test_zoo.py).
-# GPU runs (TF32 off) are held to the same bound. Not yet measured on a GPU (none has run this
-# suite): cuBLAS sums in other orders than the CPU, within the same fp32 rounding, so the same
-# amplification bounds it; `pytest -m gpu` prints each GPU run's figure (docs/gpu.md).
+# GPU runs (TF32 off) are held to the same bound: cuBLAS sums in other orders than the CPU,
+# within the same fp32 rounding, so the same amplification bounds it; `pytest -m gpu` prints
+# each GPU run's figure (docs/gpu.md, which says what one GPU printed).
 # SimpleModel's MLP uses GELU, not ReLU, for this: at ReLU's kink an input within rounding of 0
 # lets one order pass a token's gradient through a unit and another not, and Adam carries that
 # on (6.3e-4 within JOB on one CPU; docs/drift.md tells that history). Smooth GELU has no such
