@@ -1270,7 +1270,8 @@ def check_model(parser, args, ranks=None):
                  ) if "nproc" in args else 1
     micro = getattr(args, "accum_steps", None) or getattr(args, "microbatches", None) or 1
     for path, module in model.named_modules():  # _BatchNorm: every BatchNorm, Sync and Lazy too
-        sync = isinstance(module, nn.SyncBatchNorm) and micro == 1  # synced over the ranks
+        # SyncBatchNorm syncs over a process group: none under DataParallel (no --nproc)
+        sync = isinstance(module, nn.SyncBatchNorm) and micro == 1 and "nproc" in args
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and ranks * micro > 1 and not sync:
             parser.error(f"{name}.{path} is a {type(module).__name__}: it normalizes by the "
                          "statistics of the samples it sees, and here ranks or micro-batches "

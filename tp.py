@@ -27,15 +27,13 @@ What it teaches
     all-gathers at the ends and one small all-reduce of the norms' gradients a step, and the
     norms' activations shrink to 1/T. --loss-parallel: the output layer is cut over the
     vocabulary and its logits stay cut through the cross-entropy (loss_parallel()): no rank
-    ever holds the whole logits, which for a real vocabulary (50-200 k) are the largest
-    activation of all.
+    ever holds the whole logits, for a real vocabulary (50-200 k) the largest activation.
 
 When to use it
     The layers themselves are too big, or too slow, for one device, and the devices have the
-    fastest links there are (NVLink, inside one machine): every block all-reduces
-    activations four times per step (twice in forward, twice in backward), in the critical
-    path. Large models use TP inside a machine and FSDP (or
-    pipelining) across machines: --tp 8 on 8-GPU machines.
+    fastest links there are (NVLink, inside one machine): every block all-reduces activations
+    four times per step (twice in forward, twice in backward), in the critical path. Large
+    models use TP inside a machine and FSDP (or pipelining) across: --tp 8 on 8-GPU machines.
 When not
     Over ordinary networks or across machines (TP's all-reduces would wait on every block),
     or when the model fits with DDP or FSDP, which move less and overlap it with compute.
@@ -244,9 +242,11 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
         if held and not isinstance(held[0], DTensor):
             distribute_module(module, mesh["tp"], replicate_once, input_fn=replicated,
                               output_fn=lambda _, output, tp_mesh: output.to_local())
-    # The weight of every layer the plan cuts is cut, no tie split: checked, not assumed.
-    cut = [p.placements[0].is_shard() for name, p in model.named_parameters() if any(fnmatch(
-        name, f"{key}.weight") for key, kind in model.tp_plan.items() if kind.endswith("wise"))]
+    # The weight of every layer the plan cuts is cut, no tie split: checked, not assumed (keys
+    # matched as torch matches them: "*" stands for one name, not a dotted path).
+    cut = [p.placements[0].is_shard() for name, p in model.named_parameters() if any(
+        fnmatch(name, f"{key}.weight") and name.count(".") == key.count(".") + 1
+        for key, kind in model.tp_plan.items() if kind.endswith("wise"))]
     why = ("cuts nothing" if not any(cut) else "leaves a layer it names whole" if not all(cut)
            else "splits a tied weight in two" if len(list(model.parameters())) != tensors else None)
     if why:

@@ -228,8 +228,10 @@ def test_ep_reads_the_host_once_per_block_and_adds_over_no_repeated_index(ep_mod
 
 def test_fp32_ep_under_deterministic_algorithms_repeats_itself_bit_for_bit(tmp_path):
     """torch.use_deterministic_algorithms(True), which raises where an op has no deterministic
-    implementation: ep.py runs under it (one rank, in this process), and two fp32 runs of
-    JOB with 4 experts, top-3, end with the same bits, every logged loss and norm too."""
+    implementation (on a GPU; the CPU has no atomics, so here it shows only that ep.py runs
+    under it): two fp32 runs of JOB with 4 experts, top-3, end with the same bits, every
+    logged loss and norm too. The proof that nothing adds with atomics is the Recorder's
+    (test_ep_reads_the_host_once_per_block_and_adds_over_no_repeated_index)."""
     flags = ["--experts=4", "--top-k=3", "--steps=4"]
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)

@@ -101,9 +101,7 @@ def test_no_rank_holds_a_whole_stage_at_the_build_or_the_save(as_torchrun, fake_
     process: collectives that send nothing but allocate what they return). From train()'s
     start to its first PipelineStage it allocates its pieces (a quarter of a stage: dp x tp =
     4), under half a stage; while it gathers a checkpoint, under one stage's weights: one
-    whole tensor at a time. Built whole on every rank and cut, it allocated the whole model
-    twice; gathered by DCP's full state_dict, its stage and both of Adam's moments at once.
-    (Rank 0's CPU holds the whole model, the weights it hands out and the file it writes; on
+    whole tensor at a time (docs/memory.md: what the other ways hold). (Rank 0's CPU holds the whole model, the weights it hands out and the file it writes; on
     a CPU that is its device too, so it is not measured here.)"""
     import nd
     from pipeline import cut, placement
@@ -121,8 +119,8 @@ def test_no_rank_holds_a_whole_stage_at_the_build_or_the_save(as_torchrun, fake_
     # Rank 0's weights come by torch's broadcast, one tensor at a time (its source, 2.10 to
     # 2.15), which a fake group cannot carry: its object broadcast sends nothing.
     monkeypatch.setattr(nd, "set_model_state_dict", lambda *_, **__: None)
-    # One such world a process: a second (rank 4 after rank 1) failed in the save's
-    # all-gathers, naming a group of the first ("Could not resolve the process group ...").
+    # One such world a process: a second's all-gathers name the first's group ("Could not
+    # resolve the process group ...").
     fake_world(8, rank=rank)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as build:
         with pytest.raises(Built):

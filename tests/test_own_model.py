@@ -153,3 +153,14 @@ def test_what_trains_as_one_device_is_not_refused(script, model, flags, as_torch
     as_torchrun(2)
     monkeypatch.setattr(common, "SimpleModel", model)
     __import__(script).parse_args(["--device=cpu", *flags])
+
+
+def test_dataparallel_refuses_syncbatchnorm_which_no_group_syncs_there(monkeypatch, capsys):
+    """DataParallel's replicas share no process group: SyncBatchNorm would normalize each
+    replica's slice of the batch on its own, as BatchNorm does (2 GPUs, faked)."""
+    import argparse
+    monkeypatch.setattr(common, "SimpleModel", WithSyncBatchNorm)
+    args = __import__("dataparallel").parse_args(["--device=cpu"])
+    with pytest.raises(SystemExit):
+        common.check_model(argparse.ArgumentParser(prog="dataparallel.py"), args, ranks=2)
+    assert "WithSyncBatchNorm.norm is a SyncBatchNorm" in capsys.readouterr().err
