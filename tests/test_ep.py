@@ -226,13 +226,9 @@ def test_ep_reads_the_host_once_per_block_and_adds_over_no_repeated_index(ep_mod
     assert recorded.repeated_adds == []  # forward's and backward's
 
 
-def test_fp32_ep_under_deterministic_algorithms_repeats_itself_bit_for_bit(tmp_path):
-    """torch.use_deterministic_algorithms(True), which raises where an op has no deterministic
-    implementation (on a GPU; the CPU has no atomics, so here it shows only that ep.py runs
-    under it): two fp32 runs of JOB with 4 experts, top-3, end with the same bits, every
-    logged loss and norm too. The proof that nothing adds with atomics is the Recorder's
-    (test_ep_reads_the_host_once_per_block_and_adds_over_no_repeated_index)."""
-    flags = ["--experts=4", "--top-k=3", "--steps=4"]
+def assert_two_deterministic_runs_end_bit_identical(flags, tmp_path):
+    """Two runs of ep.py with `flags` (one rank, in this process) under
+    torch.use_deterministic_algorithms(True): the same bits, every logged loss and norm too."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -246,6 +242,16 @@ def test_fp32_ep_under_deterministic_algorithms_repeats_itself_bit_for_bit(tmp_p
     assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
     assert logged_step_losses(out_a) == logged_step_losses(out_b)
     assert logged_norms(out_a) == logged_norms(out_b)
+
+
+def test_fp32_ep_under_deterministic_algorithms_repeats_itself_bit_for_bit(tmp_path):
+    """torch.use_deterministic_algorithms(True), which raises where an op has no deterministic
+    implementation (on a GPU; the CPU has no atomics, so here it shows only that ep.py runs
+    under it): two fp32 runs of JOB with 4 experts, top-3, end with the same bits, every
+    logged loss and norm too. The proof that nothing adds with atomics is the Recorder's
+    (test_ep_reads_the_host_once_per_block_and_adds_over_no_repeated_index)."""
+    assert_two_deterministic_runs_end_bit_identical(["--experts=4", "--top-k=3", "--steps=4"],
+                                                    tmp_path)
 
 
 @needs_cuda
@@ -284,20 +290,8 @@ def test_two_fp32_ep_runs_on_one_gpu_under_deterministic_algorithms_end_bit_iden
     a deterministic kernel: ep.py runs under it (one rank, in this process), and two fp32 runs
     of JOB with 4 experts, top-3, end with the same bits, every logged loss and norm too."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what cuBLAS needs for it
-    flags = ["--experts=4", "--top-k=3", "--device=cuda"]
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = []
-        for i in range(2):
-            (tmp_path / str(i)).mkdir()
-            runs.append(run_as_only_rank("ep", flags, tmp_path / str(i)))
-    finally:
-        torch.use_deterministic_algorithms(was)
-    (out_a, weights_a), (out_b, weights_b) = runs
-    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
-    assert logged_step_losses(out_a) == logged_step_losses(out_b)
-    assert logged_norms(out_a) == logged_norms(out_b)
+    assert_two_deterministic_runs_end_bit_identical(
+        ["--experts=4", "--top-k=3", "--device=cuda"], tmp_path)
 
 
 @needs_cuda
