@@ -43,10 +43,12 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail
 
 
 def parse_args(argv=None):
@@ -81,32 +83,12 @@ def setup(args):
     return device
 
 
-def optimizer_step(model, optimizer, scaler, clip):
-    """Unscale, clip, step, update: the order matters. Returns (gradient norm, skipped)."""
-    # --- AMP: step through the scaler ---
-    # The gradients are still multiplied by the scale (65536 at first): unscale_ divides them
-    # (and notes any inf/NaN) BEFORE clipping, which would otherwise measure a norm 65536x too
-    # large and shrink the true gradient to almost nothing.
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
-    scale = scaler.get_scale()  # a GPU sync: fine once a step at this size
-    # Steps only without inf/NaN; update() halves the scale then, doubles it after 2000 steps.
-    scaler.step(optimizer)
-    scaler.update()
-    skipped = scaler.get_scale() < scale
-    # --- end ---
-    optimizer.zero_grad(set_to_none=True)
-    return norm, skipped
-
-
-def evaluate(model, dataset, batch_size, device, autocast):
+def evaluate(model, dataset, batch_size, device):
     """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     loader = DataLoader(dataset, batch_size=batch_size)  # in order, every sample once
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
-    # AMP: evaluated under the training's autocast, 16-bit rounding included (no backward,
-    # no GradScaler)
-    with torch.no_grad(), autocast:  # no graph, no activations kept: far less memory
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
@@ -124,7 +106,7 @@ def train(args, device):
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(device, dtype)
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # The weights stay fp32 ("master weights"): autocast casts them inside each op, on the fly.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -139,7 +121,7 @@ def train(args, device):
     # --- end ---
     start_step = load_checkpoint(args, model, optimizer, scaler) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
@@ -172,10 +154,24 @@ def train(args, device):
             # --- end ---
             loss_sum += loss.detach()
         with record_function("optimizer step"):
-            grad_norm, skipped = optimizer_step(model, optimizer, scaler, args.clip)
-        if skipped:
-            print(f"step {step + 1}: skipped, inf/NaN gradients; fp16 loss scale lowered to "
-                  f"{scaler.get_scale():g}", flush=True)
+            # --- AMP: unscale before clipping, then step and update through the scaler ---
+            # The gradients are still multiplied by the scale (65536 at first): unscale_ divides
+            # them (and notes any inf/NaN) before clipping, which would otherwise measure a norm
+            # 65536x too large and shrink the true gradient to almost nothing.
+            scaler.unscale_(optimizer)
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
+            scale = scaler.get_scale()  # a GPU sync: fine once a step at this size
+            # Steps only without inf/NaN; update() halves the scale then, doubles it after 2000.
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                print(f"step {step + 1}: skipped, inf/NaN gradients; fp16 loss scale lowered to "
+                      f"{scaler.get_scale():g}", flush=True)
+            # --- end ---
+            optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
         profiler.step()
 
@@ -184,8 +180,8 @@ def train(args, device):
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, args.batch_size, device, autocast)
+            with meter.paused(), record_function("evaluation"), autocast:  # AMP: 16-bit too
+                val_loss = evaluate(model, val_set, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             save_checkpoint(args, model, optimizer, scaler, step + 1)
@@ -221,8 +217,8 @@ def load_checkpoint(args, model, optimizer, scaler):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     if state.get("dtype") != args.dtype:  # bf16 and fp32 keep no scale for fp16 to go on
         refuse(f"written with --dtype {state.get('dtype')}, not {args.dtype}; "
                f"use --dtype {state.get('dtype')}")
@@ -237,7 +233,7 @@ def run(args):
     device = setup(args)
     model, _, _ = train(args, device)
     if args.save:
-        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
 
 
 def main(argv=None):

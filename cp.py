@@ -76,11 +76,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import SEQ_LEN, grid, launch, launch_world, leave, positive, rendezvous
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SEQ_LEN, SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, grid, launch_world
+from plumbing.flags import positive, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
 
 
 def parse_args(argv=None):
@@ -92,7 +94,7 @@ def parse_args(argv=None):
                           help="how attention reaches the other ranks' keys and values")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here (common.py)
+    # torchrun's ranks, or the --nproc workers started here
     world_size = launch_world(parser, args, data_parallel=False)[0]
     grid(parser, args, "--cp", world_size)  # --cp: all ranks by default; W/C groups
     if SEQ_LEN % (2 * args.cp):
@@ -118,7 +120,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    # The launcher's store, and NCCL where each rank has a GPU of its own
     store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -285,7 +287,7 @@ def train(args, rank, world_size, device):
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(device, dtype)
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --- CP: the ranks as a grid, each block's attention reaching across its CP group ---
     # On `device`: W/C rows ("dp") of C ranks ("cp"), row-major: a CP group on one machine.
@@ -306,7 +308,7 @@ def train(args, rank, world_size, device):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- DDP: shard the data ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
@@ -407,8 +409,8 @@ def load_checkpoint(args, model, optimizer):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
@@ -420,13 +422,13 @@ def run(args):
     model, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
         # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
-        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
-    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
 
 
 if __name__ == "__main__":

@@ -41,35 +41,26 @@ from torch.nn import DataParallel
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import save_atomic, seed_everything, train_state, unloadable
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail
 
 
 def parse_args(argv=None):
-    parser = shared_parser(__doc__, moe=False)  # the flags every script shares (docs/usage.md)
+    # replicas: a copy of the model per GPU, so --compile is refused, and on 2 or more GPUs
+    # --activation-checkpointing (plumbing/flags.py says why)
+    parser = shared_parser(__doc__, moe=False, replicas=True)  # the shared flags (docs/usage.md)
     args = parser.parse_args(argv)
-    use_cuda = check_shared_flags(parser, args, compile_check=False)
-    if args.compile:
-        # DataParallel copies the model onto every GPU at every step, and torch.compile does
-        # not follow it there (its docs recommend DDP).
-        parser.error("--compile: not with DataParallel, which copies the model to each GPU "
-                     "every step; use ddp.py --compile (or single.py --compile)")
-    if args.activation_checkpointing and use_cuda and torch.cuda.device_count() > 1:
-        # The checkpointed forward below is stored on each block (its __dict__), bound to the
-        # block on GPU 0, and DataParallel copies a module's __dict__ into every replica: each
-        # replica would run GPU 0's weights on its own GPU's slice, and fail.
-        parser.error(f"--activation-checkpointing: not with DataParallel on "
-                     f"{torch.cuda.device_count()} GPUs (its replicas would all run GPU 0's "
-                     "weights); use ddp.py --activation-checkpointing, or one GPU "
-                     "(CUDA_VISIBLE_DEVICES=0)")
-    check_model(parser, args, ranks=torch.cuda.device_count() if use_cuda else 1)
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
 
 def setup(args):
-    """Pick the device that holds the model: GPU 0 (DataParallel's home), or the CPU."""
+    """Pick the device."""
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         # DataParallel keeps the real weights, the optimizer and the gathered outputs on the
@@ -79,8 +70,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    print(f"dataparallel: {torch.cuda.device_count() if use_cuda else 'no'} GPU(s)"
-          f"{'' if use_cuda else ', so the model runs unwrapped on the CPU'} | "
+    print(f"dataparallel: {torch.cuda.device_count() if use_cuda else 'no'} GPU(s) | "
           f"device {device.type} | torch {torch.__version__}", flush=True)
     return device
 
@@ -102,13 +92,13 @@ def evaluate(model, dataset, batch_size, device):
 
 
 def train(args, device):
-    """Train; return the unwrapped model, the final loss and the final validation loss."""
+    """Train; return the model, the final loss and the final validation loss."""
     # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(device, dtype)
-    # --activation-checkpointing, per block, before DataParallel wraps the model (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DataParallel: wrap the model ---
     # Every forward: replicate the weights onto each visible GPU, scatter the batch along
@@ -116,15 +106,16 @@ def train(args, device):
     # Backward runs through the same graph, so the replicas' gradients are summed into the
     # one real copy on GPU 0: the result is the full-batch gradient, as on one device.
     # Per-replica state would not be shared: a BatchNorm would normalize each slice with its
-    # own statistics (SyncBatchNorm fixes that, in DDP); SimpleModel has none.
+    # own statistics (SyncBatchNorm fixes that, in DDP), and the mixture's routing counts
+    # (MoE.routed, for balance()) would stay on the replicas: the dense model only.
     # device_ids: every visible GPU. On the CPU, no wrapper at all: DataParallel would still
     # take the visible GPUs, and refuse a model whose weights are not on the first of them.
     dp_model = DataParallel(model) if device.type == "cuda" else model
     # --- end ---
-    optimizer = torch.optim.Adam(dp_model.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
@@ -206,8 +197,8 @@ def load_checkpoint(args, model, optimizer):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
@@ -218,9 +209,8 @@ def run(args):
     device = setup(args)
     model, _, _ = train(args, device)
     if args.save:
-        # The unwrapped model: DataParallel's own state_dict names every weight
-        # "module.<name>", and SimpleModel.load_state_dict(strict=True) would refuse those keys.
-        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+        # The unwrapped model: DataParallel's state_dict names each weight "module.<name>"
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
 
 
 def main(argv=None):

@@ -15,20 +15,9 @@ When not
     The model (plus optimizer state) does not fit on one device: shard it (fsdp.py) or cut it
     into stages (pipeline.py).
 
-ZeRO-1 (--zero1), and why DDP stops there
-    Adam keeps two moments per weight: with fp32 weights and gradients that is half of the 16
-    bytes every replica holds per weight. --zero1 (ZeroRedundancyOptimizer) gives each rank the
-    moments of 1/N of the parameters: it steps only those and then broadcasts them, so the
-    weights end as plain DDP's and the memory per rank falls from 16 to 8 + 8/N bytes per
-    weight, for one broadcast of the weights per step. Sharding more needs another
-    communication pattern than DDP's: ZeRO-2 (gradients) replaces the all-reduce with a
-    reduce-scatter, ZeRO-3 (weights) gathers each layer before use. That is FSDP: fsdp.py,
-    whose --reshard-after-forward false is ZeRO-2's trade. docs/memory.md measures the ladder.
-
 Launch
     python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
     python ddp.py --nproc 4 --device cpu   # 4 CPU workers on one machine
-    python ddp.py --zero1                  # ZeRO-1: Adam's state sharded over the ranks
     torchrun --nproc_per_node=2 ddp.py     # what clusters use; same flags after the script
     # "my DDP run doesn't match one GPU": compare in float64, where rounding cannot part them
     # (fp32 can, by 1e-2 on a long run): within 1e-9 of single.py --fp64, or a bug
@@ -64,25 +53,23 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import launch, launch_world, leave, rendezvous
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
-    parser.groups["hardware"].add_argument("--zero1", action="store_true", help=(
-        "ZeRO-1: each rank keeps and steps Adam's state for 1/N of the weights; same weights"))
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here (common.py)
+    # torchrun's ranks, or the --nproc workers started here
     launch_world(parser, args, own_gpus=False)
     check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
@@ -104,7 +91,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    # The launcher's store, and NCCL where each rank has a GPU of its own
     store, backend = rendezvous(args, device, __file__, gloo_fallback=True)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -147,7 +134,7 @@ def train(args, rank, world_size, device):
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(device, dtype)
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DDP: wrap the model ---
     # The wrapper broadcasts rank 0's weights, then all-reduces (averages) each 25 MB bucket of
@@ -157,12 +144,9 @@ def train(args, rank, world_size, device):
                     gradient_as_bucket_view=True)
     # --- end ---
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if args.zero1:  # ZeRO-1: each rank steps Adam for 1/N of the weights (the docstring)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
-                                            lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- DDP: shard the data ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
@@ -226,12 +210,8 @@ def train(args, rank, world_size, device):
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # One writer (the replicas are identical), and a file that resumes on any world size
-            if args.zero1:  # a plain Adam state: the ranks' shares gathered on rank 0
-                optimizer.consolidate_state_dict(to=0)
             if rank == 0:
                 save_checkpoint(args, model, optimizer, step + 1)
-            if args.zero1:  # then drop rank 0's gathered copy (nothing public frees it)
-                optimizer._all_state_dicts.clear()
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
@@ -263,11 +243,9 @@ def load_checkpoint(args, model, optimizer):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.state.clear()  # its load_state_dict keeps a copy of them that nothing reads
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
 
@@ -278,13 +256,13 @@ def run(args):
     model, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
         # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
-        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
-    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
 
 
 if __name__ == "__main__":

@@ -53,12 +53,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import grid, launch, launch_world, leave, optimizer_share, positive, receive
-from common import rendezvous
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, optimizer_share, receive, save_atomic
+from plumbing.checkpoints import train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, grid, launch_world
+from plumbing.flags import positive, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
 
 
 def parse_args(argv=None):
@@ -69,7 +71,7 @@ def parse_args(argv=None):
         "ranks in each expert-parallel group, sharing every block's experts (default: all)"))
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here (common.py)
+    # torchrun's ranks, or the --nproc workers started here
     world_size = launch_world(parser, args)[0]
     grid(parser, args, "--ep", world_size)  # --ep: all ranks by default; W/EP groups
     if not args.experts or args.experts % args.ep:
@@ -95,7 +97,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    # The launcher's store, and NCCL where each rank has a GPU of its own
     store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -239,7 +241,7 @@ def train(args, rank, world_size, device):
     # its device (docs/moe.md: fsdp.py's way, and what each costs).
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(dtype)
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     full = [name for name, _ in model.named_parameters()]  # one device's, for checkpoints
     # Into the full model, before the cut: every rank then starts from its slice of the file.
@@ -261,7 +263,7 @@ def train(args, rank, world_size, device):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- DDP: shard the data ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
@@ -390,8 +392,8 @@ def load_checkpoint(args, model):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     return state
 
 
@@ -401,13 +403,13 @@ def run(args):
     weights, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
         # Every expert, gathered on rank 0: SimpleModel's own keys, loads with strict=True
-        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
-    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ Launch
 
 What is trusted
     A checkpoint is data: fsdp.py reads a sharded checkpoint folder through load_sharded
-    (common.py), which unpickles its index only into DCP's own metadata classes and its values
+    (plumbing/sharded.py), which unpickles its index only into DCP's own metadata classes and its values
     only as weights_only data, so a damaged or hostile folder is refused in one line and runs
     nothing. (torch's own dcp.load trusts the folder: it unpickles parts of it with plain
     pickle.) --save files are plain state_dicts: load them with torch.load(weights_only=True).
@@ -79,12 +79,14 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import balance, positive, save_atomic, seed_everything, train_state
-from common import launch, launch_world, leave, rendezvous
-from common import commit_sharded, latest_sharded, load_sharded  # sharded checkpoints
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
+from plumbing.flags import shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
+from plumbing.sharded import commit_sharded, latest_sharded, load_sharded
 
 
 def parse_args(argv=None):
@@ -98,7 +100,7 @@ def parse_args(argv=None):
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here (common.py)
+    # torchrun's ranks, or the --nproc workers started here
     world_size = launch_world(parser, args)[0]
     if world_size % args.replicate:
         parser.error(f"--replicate {args.replicate} must divide the world size {world_size}")
@@ -124,7 +126,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    # The launcher's store, and NCCL where each rank has a GPU of its own
     store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -174,7 +176,7 @@ def train(args, rank, world_size, device):
     # On the "meta" device a module has shapes but no storage: any size costs nothing here.
     with torch.device("meta"):
         model = SimpleModel.from_args(args).to(dtype)
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --mixed-precision bf16: weights gathered and used in bf16; the gradients reduced and the
     # output returned in `dtype` (a bf16 sum of N ranks' gradients rounds away the small ones).
@@ -209,7 +211,7 @@ def train(args, rank, world_size, device):
     # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- FSDP: shard the data, as DDP does ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
@@ -285,7 +287,7 @@ def save_checkpoint(args, model, optimizer, rank, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state. DCP writes each rank's shards and an index of them: any number
     of ranks can read it."""
-    name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one (common.py)
+    name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one
     model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
@@ -303,11 +305,11 @@ def load_checkpoint(args, model, optimizer):
     folder, state = latest_sharded(args.checkpoint, refuse)  # the step `latest` names
     if folder is None:
         return 0
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
     shards = {"model": model_state, "optimizer": optimizer_state}
     # dcp.load reads the pieces each slice needs, but unpickles parts of the folder: one handed
-    # to you could run code. load_sharded (common.py) reads data only, refusing a bad one.
+    # to you could run code. load_sharded (plumbing/sharded.py) reads data only, refusing a bad one.
     load_sharded(shards, folder, refuse)
     set_state_dict(model, optimizer, model_state_dict=shards["model"],
                    optim_state_dict=shards["optimizer"])
@@ -326,12 +328,12 @@ def run(args):
                                                                        cpu_offload=True))
         if rank == 0:
             save_atomic(weights, args.save)
-    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
 
 
 if __name__ == "__main__":

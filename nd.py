@@ -67,11 +67,13 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
-from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
-from common import positive, print0, save_atomic, seed_everything, train_state
-from common import held_bytes, launch, launch_world, leave, receive, rendezvous
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, receive, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
+from plumbing.flags import shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
 from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
 from tp import parallelize  # TP's plan, then fully_shard over "dp": tp.py's 2D, per stage
 
@@ -137,7 +139,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    # The launcher's store, and NCCL where each rank has a GPU of its own
     store, backend = rendezvous(args, device, __file__)
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -293,7 +295,7 @@ def train(args, rank, world_size, device):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Every rank of one pipeline (its pp x tp ranks) walks the same batches: deal them over
     # the D pipelines ("dp"), as tp.py deals them over its TP groups.
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=mesh.get_local_rank("dp"),
@@ -426,8 +428,8 @@ def load_checkpoint(args, model):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True, mmap=True)
         model.load_state_dict({k: v.to("meta") for k, v in state["model"].items()})  # shapes
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     return state
 
 
@@ -437,13 +439,13 @@ def run(args):
     weights, _, _ = train(args, rank, world_size, device)
     if args.save and rank == 0:
         # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
-        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
-    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
 
 
 if __name__ == "__main__":

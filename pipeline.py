@@ -64,11 +64,14 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import SEQ_LEN, VOCAB, Meter, Profiler, SimpleModel
-from common import check_resumable, eval_line, fail, log_line, loss_fn, make_dataset, unloadable
-from common import positive, print0, save_atomic, seed_everything, torch_older_than, train_state
-from common import launch, launch_world, leave, optimizer_share, receive, rendezvous
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, optimizer_share, receive, save_atomic
+from plumbing.checkpoints import train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
+from plumbing.flags import shared_parser, torch_older_than
+from plumbing.meter import Meter, Profiler, eval_line, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
 
 # --schedule: (torch's class, its stages per rank by default, placed in a V: docs/pipeline.md)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1, False), "1f1b": (Schedule1F1B, 1, False),
@@ -90,7 +93,7 @@ def parse_args(argv=None):
                       "stages per rank (default: 1 for gpipe and 1f1b, else 2)")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here: a stage each (common.py)
+    # torchrun's ranks, or the --nproc workers started here: a stage each
     world_size, _, gpus = launch_world(parser, args, data_parallel=False, stages=True)
     check_stages(parser, args, world_size, gpus)
     check_model(parser, args)  # and the model: what would train silently wrong, refused
@@ -156,7 +159,7 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own (common.py)
+    # The launcher's store, and NCCL where each rank has a GPU of its own
     store, backend = rendezvous(args, device, __file__, who="stages")
     # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -264,7 +267,7 @@ def train(args, rank, world_size, devices):
         # --- end ---
     else:
         stages = [cut(model, i, args.stages).to(devices[0]) for i in held]  # this rank's only
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint([block for stage_module in stages
                             for block in stage_module.blocks.values()], args)
     if world_size > 1:
@@ -305,7 +308,7 @@ def train(args, rank, world_size, devices):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Every rank walks through the same global batches (the first stage needs the inputs, the
     # last the targets), in single.py's order: the permutation drawn from seed + epoch.
     generator = torch.Generator()
@@ -441,8 +444,8 @@ def load_checkpoint(args, model):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     return state
 
 
@@ -452,13 +455,13 @@ def run(args):
     weights, _, _ = train(args, rank, world_size, devices)
     if args.save and rank == 0:
         # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
-        save_atomic(weights, args.save)  # CPU tensors: loads anywhere (common.py)
-    leave()  # destroy_process_group(), on a clean exit only (why: common.leave)
+        save_atomic(weights, args.save)  # CPU tensors: loads anywhere
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch(run, args)  # one rank under torchrun, else --nproc of them started here (common.py)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """One device: the plain training loop every other script in this collection is a diff against.
 
 What it teaches
-    Nothing parallel, on purpose. It trains SimpleModel on one device (a GPU, or the CPU) with
-    Adam on global batches of --batch-size samples, evaluates on a held-out set, writes
-    checkpoints it can resume from, and saves weights that load anywhere. Every other script
-    adds one technique to exactly this, and the tests prove each one ends with the weights this
-    loop ends with (tests/reference.py is the same loop, written even more plainly).
+    Nothing parallel, on purpose: SimpleModel on one device (a GPU, or the CPU), Adam on global
+    batches of --batch-size samples, a held-out evaluation, checkpoints it resumes from, and
+    weights saved to load anywhere. Every other script adds one technique to exactly this, and
+    the tests prove each ends with this loop's weights (tests/reference.py: the same, plainer).
 
 When to use it
     The model, its gradients and Adam's state fit on one device, and one device is fast enough.
@@ -15,10 +14,9 @@ When not
 
 Launch
     python single.py                    # the GPU if there is one, else the CPU
-    python single.py --device cpu --steps 500 --save w.pt
-    python single.py --checkpoint ckpt.pt   # resumes from ckpt.pt if it exists
-    # Does another script match one device? Run both in float64: a correct one ends within
-    # 1e-9 of this (its rounding: ~1e-13; fp32 can part by 1e-2 on a long run; docs/proofs.md):
+    python single.py --device cpu --steps 500 --checkpoint ckpt.pt  # resumes it if it exists
+    # Does another script match one device? In float64 a correct one ends within 1e-9 of
+    # this (rounding: ~1e-13, where fp32 can part by 1e-2 on a long run; docs/proofs.md):
     python single.py --fp64 --save one.pt
     Smallest hardware: any CPU.
 
@@ -26,7 +24,7 @@ Read next (each diff shows its technique; the README says how many lines each ch
     diff single.py dataparallel.py   # several GPUs from one process
     diff single.py amp.py            # mixed precision
     diff single.py ddp.py            # one process per device: data parallelism
-    then diff ddp.py fsdp.py, diff fsdp.py tp.py, diff ddp.py cp.py, and pipeline.py itself
+    then diff ddp.py zero.py (or fsdp.py, cp.py, ep.py), diff fsdp.py tp.py; pipeline.py, nd.py
 
 Docs
     https://pytorch.org/tutorials/beginner/basics/optimization_tutorial.html
@@ -40,10 +38,12 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import Meter, Profiler, SimpleModel, eval_line, log_line, make_dataset
-from common import check_resumable, fail, held_bytes, loss_fn, print0
-from common import balance, save_atomic, seed_everything, train_state, unloadable
-from common import check_model, check_shared_flags, compile_and_checkpoint, shared_parser
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail
 
 
 def parse_args(argv=None):
@@ -90,12 +90,12 @@ def train(args, device):
     dtype = torch.float64 if args.fp64 else torch.float32
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(device, dtype)
-    # --compile and --activation-checkpointing, per block, before any wrapper (common.py)
+    # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train", dtype), make_dataset("val", dtype)
+    dataset, val_set = make_dataset("train"), make_dataset("val")
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()
@@ -176,8 +176,8 @@ def load_checkpoint(args, model, optimizer):
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do (common.py)
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64 (common.py)
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
@@ -188,7 +188,7 @@ def run(args):
     device = setup(args)
     model, _, _ = train(args, device)
     if args.save:
-        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere (common.py)
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
 
 
 def main(argv=None):

@@ -176,7 +176,7 @@ def tables():
 
 
 # The small-scale check: nd.py at its defaults (hidden 64, 4 blocks, 4 heads, batch 64, fp32) on
-# four meshes, 2 micro-batches. Rank 0's summary prints the state it holds (common.held_bytes:
+# four meshes, 2 micro-batches. Rank 0's summary prints the state it holds (plumbing/meter.py held_bytes:
 # weights, gradients and Adam's moments, each DTensor's local piece); its --profile trace of
 # steps 5-7 holds every send (PP), every all-reduce of an activation (TP) and every all-gather
 # of its FSDP shard (dp), each with its tensor's shape. Rank 0 runs the first stage (and in a V

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import itertools
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -30,10 +31,14 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import free_port  # noqa: E402
-
 WORLD = 2
+
+
+def free_port():
+    """A TCP port free now on 127.0.0.1, picked by the OS."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def join_group(rank, port, timeout_s=60):

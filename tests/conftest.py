@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import socket
 import sys
 import tempfile
 import threading
@@ -27,7 +28,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # common.py, for the model and the data
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference.py
 
-from common import SimpleModel, free_port  # noqa: E402
+from common import SimpleModel  # noqa: E402
+
+
+def free_port():
+    """A TCP port that is free now on 127.0.0.1 (the OS picks it; never hard-code one). Another
+    program could take it before it is bound: then that fails at once, it does not hang."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 # Two proofs, each where it holds (docs/proofs.md):
 #

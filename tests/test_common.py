@@ -1,4 +1,4 @@
-"""common.py: the diagnostics find what this machine has and prove the ranks can talk; what
+"""plumbing/: the diagnostics find what this machine has and prove the ranks can talk; what
 it decides by platform (peak memory, the store) lets every script start on macOS and Windows."""
 
 import re
@@ -6,24 +6,27 @@ import sys
 import types
 
 import pytest
+import torch
 
-import common
+import plumbing.diagnostics
+import plumbing.meter
+import plumbing.ranks
 from conftest import REPO, early_results, ok, run_as_only_rank, run_in_process, torchrun_cmd
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)
-    return [torchrun_cmd(2, "common.py", "--device=cpu")], None
+    return [torchrun_cmd(2, "-m", "plumbing.diagnostics", "--device=cpu")], None
 
 
 def test_environment_report_names_torch_backends_and_a_launch_command():
-    report = common.environment_report()
-    assert f"torch {common.torch.__version__}" in report
+    report = plumbing.diagnostics.environment_report()
+    assert f"torch {torch.__version__}" in report
     assert "process-group backends: gloo" in report
     assert "launch: torchrun --nproc_per_node=" in report
 
 
 def test_communication_check_verifies_an_all_reduce_and_measures_bandwidth():
-    """`torchrun --nproc_per_node=2 common.py`, queued with the other launches: the timings
+    """`torchrun --nproc_per_node=2 -m plumbing.diagnostics`, queued with the other launches: the timings
     measure a busy machine, and only their being there is asserted."""
     out = ok(early_results(__name__)[1][0])
     assert "all-reduce verified on 2 ranks (gloo, cpu); barrier passed" in out
@@ -41,22 +44,22 @@ def test_peak_memory_reads_kib_on_linux_bytes_on_macos_and_nothing_on_windows(mo
     """ru_maxrss counts KiB on Linux and bytes on macOS (1024x apart); Windows has no
     `resource` module at all. Faked: the platform and the kernel's answer."""
     peak = 300 * 2**20  # bytes, as macOS would say it
-    monkeypatch.setattr(common, "resource", types.SimpleNamespace(
+    monkeypatch.setattr(plumbing.meter, "resource", types.SimpleNamespace(
         RUSAGE_SELF=0, getrusage=lambda who: types.SimpleNamespace(ru_maxrss=peak)))
-    monkeypatch.setattr(common.sys, "platform", "darwin")
-    assert common.peak_rss() == "300.0 MiB (RSS)"
-    monkeypatch.setattr(common.sys, "platform", "linux")  # the same number, read as KiB
-    assert common.peak_rss() == f"{300 * 2**10:.1f} MiB (RSS)"
-    monkeypatch.setattr(common, "resource", None)
-    assert common.peak_rss() == "n/a (RSS: not measured on Windows)"
+    monkeypatch.setattr(plumbing.meter.sys, "platform", "darwin")
+    assert plumbing.meter.peak_rss() == "300.0 MiB (RSS)"
+    monkeypatch.setattr(plumbing.meter.sys, "platform", "linux")  # the same number, read as KiB
+    assert plumbing.meter.peak_rss() == f"{300 * 2**10:.1f} MiB (RSS)"
+    monkeypatch.setattr(plumbing.meter, "resource", None)
+    assert plumbing.meter.peak_rss() == "n/a (RSS: not measured on Windows)"
 
 
 def test_no_script_imports_a_module_windows_lacks_outside_a_fallback():
     """`import resource` (or fcntl, termios, pwd, grp) at the top of a script would stop it
-    from starting on Windows: only common.py imports one, inside try/except ImportError."""
+    from starting on Windows: only plumbing/meter.py imports one, inside try/except ImportError."""
     import ast
     unix_only = {"resource", "fcntl", "termios", "pwd", "grp"}
-    for path in sorted(REPO.glob("*.py")):
+    for path in sorted([*REPO.glob("*.py"), *REPO.glob("plumbing/*.py")]):
         tree = ast.parse(path.read_text())
         guarded = {id(node) for t in ast.walk(tree) if isinstance(t, ast.Try)
                    for node in ast.walk(t)}
@@ -68,7 +71,7 @@ def test_no_script_imports_a_module_windows_lacks_outside_a_fallback():
 
 
 class Platform(types.ModuleType):
-    """The `sys` common.py sees, saying it runs on `platform`; everything else is the real sys."""
+    """The `sys` plumbing/ sees, saying it runs on `platform`; everything else is the real sys."""
 
     def __init__(self, platform):
         super().__init__("sys")
@@ -81,18 +84,19 @@ class Platform(types.ModuleType):
 @pytest.mark.parametrize("platform", ["darwin", "win32"])
 @pytest.mark.parametrize("script", ["single", "dataparallel", "amp", "pipeline",
                                     "ddp", "fsdp", "tp", "cp"])
-def test_every_script_starts_and_trains_a_step_where_common_takes_it_for_macos_or_windows(
+def test_every_script_starts_and_trains_a_step_where_plumbing_takes_it_for_macos_or_windows(
         script, platform, monkeypatch, tmp_path):
-    """What common.py decides by platform, faked for the whole run: on Windows there is no
+    """What plumbing/ decides by platform, faked for the whole run: on Windows there is no
     `resource` module and the rank's store is a TCPStore without libuv (PyTorch's Windows
     wheels lack it); on macOS the peak memory is read in bytes. The distributed scripts run as
     torchrun's only worker (the store then is rank 0's own, the one srun's ranks use)."""
-    monkeypatch.setattr(common, "sys", Platform(platform))
+    monkeypatch.setattr(plumbing.meter, "sys", Platform(platform))
+    monkeypatch.setattr(plumbing.ranks, "sys", Platform(platform))
     if platform == "win32":
-        monkeypatch.setattr(common, "resource", None)
+        monkeypatch.setattr(plumbing.meter, "resource", None)
     stores = []
-    real_store = common.dist.TCPStore
-    monkeypatch.setattr(common.dist, "TCPStore", lambda *args, **kwargs: stores.append(kwargs)
+    real_store = plumbing.ranks.dist.TCPStore
+    monkeypatch.setattr(plumbing.ranks.dist, "TCPStore", lambda *args, **kwargs: stores.append(kwargs)
                         or real_store(*args, **kwargs))
     flags = ["--steps=1", *(["--dtype=fp32"] if script == "amp" else [])]
     run = run_in_process if script in ("single", "dataparallel", "amp") else run_as_only_rank
@@ -108,7 +112,7 @@ def test_every_script_starts_and_trains_a_step_where_common_takes_it_for_macos_o
 def test_a_torch_without_torch_distributed_is_told_in_one_line(script, monkeypatch):
     """Some builds (older macOS wheels, some Windows and conda ones) have no torch.distributed:
     the distributed scripts say so in one line, before anything starts."""
-    monkeypatch.setattr(common.dist, "is_available", lambda: False)
+    monkeypatch.setattr(plumbing.ranks.dist, "is_available", lambda: False)
     module = __import__(script)
     with pytest.raises(SystemExit) as exit_:
         module.main(["--device=cpu", "--nproc=1"])

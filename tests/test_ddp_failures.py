@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import common
+import plumbing.checkpoints
+import plumbing.ranks
 from conftest import (JOB, free_port, launch_and_kill_a_worker, launch_together, load_saved,
                       max_diff, refused_in_one_line, torchrun_cmd)
 from reference import reference_train
@@ -36,7 +38,7 @@ def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weight
 
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    common.save_atomic({"step": torch.tensor(1)}, path)
+    plumbing.checkpoints.save_atomic({"step": torch.tensor(1)}, path)
 
     def dies_halfway(obj, f):
         f.write(b"half a checkpoint")
@@ -44,7 +46,7 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monk
 
     monkeypatch.setattr(torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        common.save_atomic({"step": torch.tensor(2)}, path)
+        plumbing.checkpoints.save_atomic({"step": torch.tensor(2)}, path)
     assert torch.load(path, weights_only=True)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
 
@@ -76,10 +78,10 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
                                                                             "cp") else [])])
     ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
     cases = [(b"garbage", "cannot be read")]
-    common.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
+    plumbing.checkpoints.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
     cases.append((open(ckpt, "rb").read(), "saved with another model size; use its --hidden"))
     # the same weights' shapes, another head count: they would load, and compute otherwise
-    common.save_atomic({"model": common.SimpleModel(hidden=32, heads=2).state_dict(), "heads": 2,
+    plumbing.checkpoints.save_atomic({"model": common.SimpleModel(hidden=32, heads=2).state_dict(), "heads": 2,
                         "batch_size": 64, "seed": 0, "fp64": False, "optimizer": {}, "step": 1},
                        ckpt)
     cases.append((open(ckpt, "rb").read(), "saved with --heads 2; use --heads 2"))
@@ -103,7 +105,7 @@ def test_checkpoint_of_the_other_precision_is_refused_in_one_line_and_left_as_it
                                        (False, ["--fp64"], "written without --fp64; drop --fp64")]:
         args = module.parse_args(["--device=cpu", *nproc, *flags, f"--checkpoint={ckpt}"])
         model = common.SimpleModel().to(torch.float64 if saved_fp64 else torch.float32)
-        common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0,
+        plumbing.checkpoints.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0,
                             "fp64": saved_fp64, "heads": 4}, ckpt)
         before = ckpt.read_bytes()
         line = f"{script}.py: error: --checkpoint {ckpt}: {message}"
@@ -117,7 +119,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
     args = ddp.parse_args(["--device=cpu", "--nproc=1", "--batch-size=32"])
     args.checkpoint = str(tmp_path / "ckpt.pt")
     model = common.SimpleModel()
-    common.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0, "heads": 4},
+    plumbing.checkpoints.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0, "heads": 4},
                        args.checkpoint)
     with pytest.raises(SystemExit, match="with --batch-size 64, not 32.*use --batch-size 64"):
         load_checkpoint(ddp, args, model)
@@ -200,7 +202,7 @@ def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monk
     before = torch.get_num_threads()
     torch.set_num_threads(3)  # as OMP_NUM_THREADS=3 would have set it at start-up
     try:
-        common.spawned(0, lambda args: threads.append(torch.get_num_threads()),
+        plumbing.ranks.spawned(0, lambda args: threads.append(torch.get_num_threads()),
                        argparse.Namespace(nproc=2), free_port())
     finally:
         torch.set_num_threads(before)

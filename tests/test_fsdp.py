@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import common
+import plumbing.sharded
 from common import SimpleModel
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB,
                       JOB_FLAGS, TOL, assert_checkpoints_resume_to_the_oracle,
@@ -262,7 +263,7 @@ def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_noth
         raise ValueError(why)
 
     with pytest.raises(ValueError, match=re.escape(DAMAGED[case])):
-        common.load_sharded({}, copy / (copy / "latest").read_text(), refuse)
+        plumbing.sharded.load_sharded({}, copy / (copy / "latest").read_text(), refuse)
     assert not marker.exists() and files(copy) == before
 
 
@@ -325,17 +326,6 @@ def test_fsdp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
 def test_fsdp_bf16_on_gpu_trains_to_the_fp32_loss(reference):
     out = ok(torchrun(1, "fsdp.py", *CUDA_JOB_FLAGS, "--mixed-precision=bf16"))
     assert logged_losses(out)[-1] == pytest.approx(reference[2][-1], rel=BF16_REL_TOL)
-
-
-@pytest.mark.parametrize("script", ["fsdp", "tp"])
-def test_torch_older_than_2_9_is_refused_on_cpu(script, as_torchrun, capsys, monkeypatch):
-    """On torch 2.7 and 2.8 FSDP2 over gloo sums the gradients instead of averaging them: this
-    suite measured a 1.3e-3 weight difference from the oracle there, on every rank count.
-    tp.py's 2D shards with FSDP too."""
-    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
-    as_torchrun(2)
-    refused_in_one_line(script, ["--device=cpu"], "FSDP on CPU (gloo) needs torch 2.9 or later",
-                        capsys)
 
 
 def test_evaluation_on_6_ranks_forwards_no_empty_batch_and_counts_only_real_samples(

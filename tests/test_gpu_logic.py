@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 
 import common
+import plumbing.checkpoints
+import plumbing.diagnostics
+import plumbing.flags
+import plumbing.meter
+import plumbing.ranks
 from conftest import (JOB_FLAGS, TOL, free_port, launch, load_saved, max_diff, ok,
                       refused_in_one_line, run_as_only_rank, run_in_process)
 
@@ -116,7 +121,7 @@ def test_save_atomic_writes_cpu_tensors_that_load_anywhere(tmp_path):
     on_gpu = {k: v.detach().clone().as_subclass(OnGpu) for k, v in model.state_dict().items()}
     optimizer_state = {"state": {0: {"step": torch.tensor(3.0).as_subclass(OnGpu)}},
                        "param_groups": [{"lr": 0.1, "params": [0]}]}
-    common.save_atomic({"model": on_gpu, "optimizer": optimizer_state}, tmp_path / "c.pt")
+    plumbing.checkpoints.save_atomic({"model": on_gpu, "optimizer": optimizer_state}, tmp_path / "c.pt")
     loaded = torch.load(tmp_path / "c.pt", weights_only=True)  # no map_location needed
     assert type(loaded["model"]["embed.weight"]) is torch.Tensor
     assert max_diff(loaded["model"], model.state_dict()) == 0
@@ -129,7 +134,7 @@ def test_the_clock_waits_for_every_gpu_of_a_model_parallel_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**20)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2**21)
     devices = [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 1)]
-    meter = common.Meter(devices)
+    meter = plumbing.meter.Meter(devices)
     synced.clear()
     meter.step(64)
     assert synced == ["cuda:0", "cuda:1"]
@@ -190,7 +195,7 @@ def test_gpu_sharers_counts_the_ranks_of_the_machine_whose_gpu_has_the_same_uuid
     store.set_timeout(datetime.timedelta(seconds=30))
     uuids = ["GPU-a", "GPU-b", "GPU-a", "GPU-c"]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        counts = list(pool.map(lambda r: common.sharing(store, r, 4, uuids[r]), [3, 2, 1, 0]))
+        counts = list(pool.map(lambda r: plumbing.ranks.sharing(store, r, 4, uuids[r]), [3, 2, 1, 0]))
     assert counts == [1, 2, 1, 2]
 
 
@@ -214,10 +219,10 @@ def machine_of(fake_gpus, monkeypatch):
                             lambda device: types.SimpleNamespace(uuid=uuids[0]))
         store = dist.HashStore()
         store.set_timeout(datetime.timedelta(seconds=30))
-        monkeypatch.setattr(common, "rendezvous_store", lambda *args: store)
+        monkeypatch.setattr(plumbing.ranks, "rendezvous_store", lambda *args: store)
         pool = concurrent.futures.ThreadPoolExecutor(n - 1)
         for r in range(1, n):
-            pool.submit(common.sharing, store, r, n, uuids[r])
+            pool.submit(plumbing.ranks.sharing, store, r, n, uuids[r])
         pool.shutdown(wait=False)
     return install
 
@@ -287,7 +292,7 @@ def test_why_a_dataparallel_replica_would_run_gpu0s_checkpointed_forward():
     """The reason for the refusal above: a forward stored on a module instance is copied, bound
     to the original, into every replica DataParallel makes of it (the scripts' own wrapping)."""
     block = common.Block(4, 2)
-    common.compile_and_checkpoint([block], argparse.Namespace(compile=False,
+    plumbing.flags.compile_and_checkpoint([block], argparse.Namespace(compile=False,
                                                               activation_checkpointing=True))
     replica = block._replicate_for_data_parallel()
     assert replica.forward.args[0].__self__ is block
@@ -306,8 +311,8 @@ def test_the_profiler_records_gpu_kernels_only_for_a_run_on_a_gpu(fake_gpus, mon
             pass
     monkeypatch.setattr(torch.profiler, "profile", Recorder)
     cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
-    common.Profiler(tmp_path, 0, torch.device("cpu"))
-    common.Profiler(tmp_path, 0, [torch.device("cpu"), torch.device("cuda", 0)])
+    plumbing.meter.Profiler(tmp_path, 0, torch.device("cpu"))
+    plumbing.meter.Profiler(tmp_path, 0, [torch.device("cpu"), torch.device("cuda", 0)])
     assert asked == [{cpu}, {cpu, cuda}]
 
 
@@ -319,7 +324,7 @@ def test_a_refusal_over_nccl_leaves_the_group_before_its_one_line(backend, destr
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: left.append(True))
     with pytest.raises(SystemExit, match="^the reason$"):
-        common.fail("the reason")
+        plumbing.ranks.fail("the reason")
     assert left == ([True] if destroyed else [])
 
 
@@ -333,23 +338,23 @@ def test_the_communication_check_binds_nccl_to_its_rank_s_gpu(fake_gpus, as_torc
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(uuid=f"GPU-{device.index}"))
     store = dist.HashStore()
-    monkeypatch.setattr(common, "rendezvous_store", lambda *args: store)
+    monkeypatch.setattr(plumbing.diagnostics, "rendezvous_store", lambda *args: store)
     with concurrent.futures.ThreadPoolExecutor(1) as rank0, pytest.raises(Joined):
-        rank0.submit(common.sharing, store, 0, 2, "GPU-0")
-        common.communication_check()
+        rank0.submit(plumbing.ranks.sharing, store, 0, 2, "GPU-0")
+        plumbing.diagnostics.communication_check()
     assert joining == {"gpu": torch.device("cuda", 1), "backend": "nccl",
                        "device_id": torch.device("cuda", 1)}
 
 
 @pytest.mark.parametrize("gpus", [3, 6])
-def test_python_common_py_suggests_the_rank_count_ddp_py_takes(gpus, fake_gpus, monkeypatch):
+def test_the_diagnostics_suggest_the_rank_count_ddp_py_takes(gpus, fake_gpus, monkeypatch):
     fake_gpus(gpus)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(
         name="GPU", total_memory=2**35, major=9, minor=0))
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
-    report = common.environment_report()
+    report = plumbing.diagnostics.environment_report()
     import ddp
     assert f"torchrun --nproc_per_node={ddp.parse_args([]).nproc} ddp.py" in report
     assert f"{DEFAULT_WORKERS[gpus]} of {gpus} GPUs divide --batch-size 64" in report
@@ -362,7 +367,7 @@ def test_compile_on_a_gpu_without_what_triton_builds_with_is_refused_in_one_line
     fake_gpus(1)
     monkeypatch.delenv("CC", raising=False)
     if missing == "compiler":
-        monkeypatch.setattr(common.shutil, "which", lambda name: None)
+        monkeypatch.setattr(plumbing.flags.shutil, "which", lambda name: None)
     else:
-        monkeypatch.setattr(common.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+        monkeypatch.setattr(plumbing.flags.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     refused_in_one_line("single", ["--device=cuda", "--compile"], says, capsys)

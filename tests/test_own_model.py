@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import common
+import plumbing.model_check
 import gpt_like
 import user_model
 from conftest import (FP64_TOL, REPO, early_results, fp64, load_saved, logged_losses,
@@ -27,8 +28,8 @@ from conftest import (FP64_TOL, REPO, early_results, fp64, load_saved, logged_lo
                       refused_in_one_line, summary_val_loss)
 
 # What the section tells a user to write at the end of common.py (the scripts import these
-# names from it, so they now get the user's). The GPT-2 keeps common.py's data, loss and FLOPs.
-SWAPS = {"mlp": "\nfrom user_model import SimpleModel, flops_per_sample, loss_fn, make_dataset\n",
+# names from it, so they now get the user's). The GPT-2 keeps common.py's data and loss.
+SWAPS = {"mlp": "\nfrom user_model import SimpleModel, loss_fn, make_dataset\n",
          "gpt": "\nfrom gpt_like import SimpleModel\n"}
 FLAGS = {"mlp": [*fp64(1), "--hidden=32", "--blocks=3", "--device=cpu"],
          # 4 heads: TP 2 cuts whole ones; a loss and a norm logged every 4th step
@@ -52,6 +53,7 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
             shutil.copy(REPO / f"{script}.py", folder / model)
         shutil.copy(REPO / "tests" / f"{'user_model' if model == 'mlp' else 'gpt_like'}.py",
                     folder / model)
+        shutil.copytree(REPO / "plumbing", folder / model / "plumbing")  # what the README says
         (folder / model / "common.py").write_text((REPO / "common.py").read_text() + SWAPS[model])
         commands += [RUNS[script](folder / model, *FLAGS[model],
                                   f"--save={folder / model / script}.pt") for script in scripts]
@@ -162,5 +164,6 @@ def test_dataparallel_refuses_syncbatchnorm_which_no_group_syncs_there(monkeypat
     monkeypatch.setattr(common, "SimpleModel", WithSyncBatchNorm)
     args = __import__("dataparallel").parse_args(["--device=cpu"])
     with pytest.raises(SystemExit):
-        common.check_model(argparse.ArgumentParser(prog="dataparallel.py"), args, ranks=2)
+        plumbing.model_check.check_model(
+            argparse.ArgumentParser(prog="dataparallel.py"), args, ranks=2)
     assert "WithSyncBatchNorm.norm is a SyncBatchNorm" in capsys.readouterr().err

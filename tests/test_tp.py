@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import plumbing.ranks
 from common import SEQ_LEN, VOCAB, SimpleModel
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, FP64_TOL,
                       JOB, TOL, assert_checkpoints_resume_to_the_oracle,
@@ -68,7 +69,7 @@ def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, refere
 def test_a_clipped_2d_run_says_nothing_that_sounds_like_a_bug(runs):
     """torch's clip_grad_norm_ sums a 2D gradient's norm over "dp", then "tp", and DTensor logs
     on every rank that this is "suboptimal" and "may give inconsistent results between ranks";
-    common.quiet_known_warnings says why it cannot here, and silences it. (Torch's own
+    plumbing.ranks.quiet_known_warnings says why it cannot here, and silences it. (Torch's own
     deprecation warnings, such as torch 2.10's DCP "TypedStorage is deprecated", are not ours.)"""
     result, _ = runs["fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam"]
     ok(result)

@@ -1,0 +1,85 @@
+"""Your model, checked before any process starts: what would train differently from one device
+without an error is refused in one line (docs/course.md#putting-your-own-model-in)."""
+
+import os
+from fnmatch import fnmatch
+
+import torch
+import torch.nn as nn
+
+import common
+
+
+def check_model(parser, args, ranks=None):
+    """Refuse (parser.error) a model this run would train silently differently from one
+    device, after the model's own checks of its flags (from_args) and the dataset's size:
+    BatchNorm where ranks (`ranks`: by default this run's, or DataParallel's replicas,
+    parser.ranks) or micro-batches each see a part of the batch; a tied weight in a pipeline (--microbatches), whose stages would each
+    train a copy; and with --tp (tp.py, nd.py) a tp_plan that names a module the model lacks, an
+    unknown kind, cuts nothing, or cuts a tied head over the vocabulary (--loss-parallel)."""
+    try:
+        with torch.device("meta"):  # shapes only, however large (as fsdp.py and tp.py build it)
+            model = common.SimpleModel.from_args(args)
+    except ValueError as e:  # the model's own checks of its flags (--heads, --experts...)
+        parser.error(str(e))
+    name = type(model).__name__
+    samples = len(common.make_dataset("train"))  # the dataset's size: the data's, not a constant
+    if args.batch_size > samples:
+        parser.error(f"--batch-size {args.batch_size} is larger than the dataset ({samples} "
+                     f"samples); use at most {samples}")
+    if ranks is None:  # a script with --nproc runs torchrun's ranks, or --nproc of its own
+        ranks = (int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.nproc or 1
+                 ) if "nproc" in args else getattr(parser, "ranks", 1)  # DataParallel's copies
+    micro = getattr(args, "accum_steps", None) or getattr(args, "microbatches", None) or 1
+    for path, module in model.named_modules():  # _BatchNorm: every BatchNorm, Sync and Lazy too
+        # SyncBatchNorm syncs over a process group: none under DataParallel (no --nproc)
+        sync = isinstance(module, nn.SyncBatchNorm) and micro == 1 and "nproc" in args
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and ranks * micro > 1 and not sync:
+            parser.error(f"{name}.{path} is a {type(module).__name__}: it normalizes by the "
+                         "statistics of the samples it sees, and here ranks or micro-batches "
+                         "each see a part of the batch; use nn.GroupNorm or nn.LayerNorm (or, on "
+                         "GPUs without micro-batches, nn.SyncBatchNorm.convert_sync_batchnorm)")
+    holders = {}  # a parameter's names: two or more where it is tied
+    for path, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(path)
+    tied = [paths for paths in holders.values() if len(paths) > 1]
+    if tied and "microbatches" in args:  # pipeline.py, nd.py
+        parser.error(f"{' and '.join(tied[0])} are one tensor (tied): a pipeline holds them "
+                     "on two stages, which would train two copies apart; untie them (a "
+                     "weight of its own for each), or use ddp.py, fsdp.py or tp.py")
+    if "tp" not in args:
+        return
+    plan = getattr(model, "tp_plan", None) or {}
+    kinds = ("colwise", "rowwise", "shared_input", "norm", "head")  # tp.py's styles of them
+    names = [path.split(".") for path, _ in model.named_modules()]
+    def resolved(key):  # as parallelize_module matches it: name by name, "*" for any
+        return [".".join(n) for n in names if len(n) == len(key.split("."))
+                and all(map(fnmatch, n, key.split(".")))]
+    for key, kind in plan.items():
+        if kind not in kinds:
+            parser.error(f"{name}.tp_plan[{key!r}] = {kind!r}: a kind tp.py does not know; "
+                         f"use one of {', '.join(kinds)}")
+        if not resolved(key):
+            parser.error(f"{name}.tp_plan: {key!r} names no module of {name} (torch would "
+                         "skip it with a warning); write the names model.named_modules() "
+                         "gives, with * for a block's key")
+        layers = [model.get_submodule(path) for path in resolved(key)]
+        other = next((m for m in layers if not isinstance(m, (nn.Linear, nn.Embedding))), None)
+        if kind in ("colwise", "rowwise") and other is not None:
+            parser.error(f"{name}.tp_plan: {key!r} is a {type(other).__name__}, and TP cuts "
+                         "nn.Linear and nn.Embedding only; make it an nn.Linear (a Conv1D's "
+                         "weight is a Linear's, transposed)")
+    if getattr(args, "sequence_parallel", False) and not resolved("blocks.0"):
+        parser.error(f"--sequence-parallel: tp.py gives the first block, blocks.0, its part of "
+                     f"the sequence, and {name} has none; register the blocks as `blocks`, an "
+                     "nn.ModuleDict keyed \"0\", \"1\", ...")
+    if not {"colwise", "rowwise"} & set(plan.values()):
+        parser.error(f"{name}.tp_plan cuts nothing (no colwise or rowwise layer): every rank "
+                     "would hold and compute the whole model; write one "
+                     "(docs/course.md#putting-your-own-model-in)")
+    heads = {m for key, kind in plan.items() if kind == "head" for m in resolved(key)}
+    for paths in tied if getattr(args, "loss_parallel", False) else ():
+        if any(path.rsplit(".", 1)[0] in heads for path in paths):
+            parser.error(f"--loss-parallel: {' and '.join(paths)} are one tensor (tied), and "
+                         "loss parallelism would cut the head's over the vocabulary, the "
+                         "other's left whole; drop --loss-parallel, or untie them")
