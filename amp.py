@@ -180,7 +180,7 @@ def train(args, device):
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused(), record_function("evaluation"), autocast:  # AMP: 16-bit too
+            with meter.paused(), record_function("evaluation"), autocast:  # AMP: autocast too
                 val_loss = evaluate(model, val_set, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):

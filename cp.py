@@ -78,8 +78,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
-from plumbing.flags import check_shared_flags, compile_and_checkpoint, grid, launch_world
-from plumbing.flags import positive, shared_parser
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.flags import grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
@@ -94,8 +94,7 @@ def parse_args(argv=None):
                           help="how attention reaches the other ranks' keys and values")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here
-    world_size = launch_world(parser, args, data_parallel=False)[0]
+    world_size = launch_world(parser, args, data_parallel=False)[0]  # torchrun's, or --nproc
     grid(parser, args, "--cp", world_size)  # --cp: all ranks by default; W/C groups
     if SEQ_LEN % (2 * args.cp):
         parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp equal"
@@ -139,7 +138,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
     # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
     # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=batch_size // world_size, sampler=sampler)  # B/N each
     real = len(range(rank, len(dataset), world_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
@@ -296,10 +295,8 @@ def train(args, rank, world_size, device):
     positions = cut_sequences(model, mesh, args.cp_method)  # on the CPU: they index batches
     where = positions.to(device)  # and on the device, the position embedding's input
     # --- end ---
-    # --- DDP: wrap the model ---
-    # The wrapper broadcasts rank 0's weights, then all-reduces (averages) each 25 MB bucket of
-    # gradients as soon as backward has produced it, overlapping the rest of backward.
-    # gradient_as_bucket_view: each .grad is a view into its bucket, not a copy of it.
+    # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
+    # (each 25 MB bucket as soon as backward has made it; each .grad a view into its bucket)
     # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average to
     # the gradient of the batch's mean loss.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -340,12 +337,10 @@ def train(args, rank, world_size, device):
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
-            last = micro == args.accum_steps - 1
-            with contextlib.nullcontext() if last else ddp_model.no_sync():
+            with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
                     loss = loss_fn(ddp_model(x, positions=where), y)
-                    # MoE: its balancing loss over every rank's routing, one device's micro-batch
                     loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
@@ -354,7 +349,6 @@ def train(args, rank, world_size, device):
         with record_function("optimizer step"):
             # --clip: scale the whole gradient, as one vector, down to this norm if it is
             # larger (0: never; the norm is still measured). Returns the norm before clipping.
-            # After the all-reduce: every replica measures the same norm and clips alike.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -371,12 +365,10 @@ def train(args, rank, world_size, device):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size // dp, device,
-                                    positions)
+                val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size, device, positions)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # One writer (the replicas are identical), and a file that resumes on any world size
-            if rank == 0:
+            if rank == 0:  # one writer: the replicas are identical; resumes on any world size
                 save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,

@@ -2,18 +2,17 @@
 
 What it teaches
     Each process holds a full copy of SimpleModel and trains on its own shard of every global
-    batch. During backward, DDP all-reduces the gradients bucket by bucket (overlapping the
-    communication with the rest of backward), so after `loss.backward()` every replica holds
-    the gradient of the *whole* global batch and the optimizer steps stay identical on all ranks.
-    With global batch B on N ranks (B/N per rank), the result equals one device with batch B:
-    the tests in tests/ prove it in float64 to 1e-9.
+    batch. During backward, DDP all-reduces the gradients bucket by bucket, overlapping the rest
+    of backward: after `loss.backward()` every replica holds the *whole* batch's gradient, so
+    clipping and the step need nothing more and stay identical on all ranks. With global batch
+    B on N ranks (B/N each) it equals one device with batch B: the tests prove it to 1e-9 (fp64).
 
 When to use it
     Whenever the model fits on one device and you have more than one device: one machine or
     many, GPUs or CPUs. PyTorch recommends it over DataParallel even on a single machine.
 When not
-    The model (plus optimizer state) does not fit on one device: shard it (fsdp.py) or cut it
-    into stages (pipeline.py).
+    The model (plus optimizer state) does not fit on one device: shard Adam's state
+    (zero.py), or everything (fsdp.py), or cut the model into stages (pipeline.py).
 
 Launch
     python ddp.py                          # starts its own workers: one per GPU, or 2 on a CPU
@@ -24,10 +23,9 @@ Launch
     torchrun --nproc_per_node=2 ddp.py --fp64 --save ddp.pt
     # survive a crash: torchrun restarts the group, which resumes from the checkpoint
     torchrun --nproc_per_node=2 --max-restarts=3 ddp.py --checkpoint ckpt.pt
-    # several machines, elastic (run the same line on each; 1 to 4 machines may take part,
-    # and ranks are given out in order of arrival, whatever --node-rank says). The world size
-    # is 8, 16, 24 or 32: --batch-size 96 is a multiple of each (64 is not of 24, and every
-    # refusal would cost a restart):
+    # several machines, elastic: the same line on each; 1 to 4 machines take part, ranks given
+    # out in order of arrival (whatever --node-rank says). --batch-size 96 divides every world
+    # size it may meet (8, 16, 24, 32; 64 does not divide 24, and a refusal costs a restart):
     torchrun --nnodes=1:4 --nproc_per_node=8 --max-restarts=3 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29500 --rdzv-id=myjob ddp.py --batch-size 96 \
         --checkpoint /shared/ckpt.pt
@@ -37,8 +35,9 @@ Launch
     The rendezvous store has no authentication: use it on a trusted network only.
     Smallest hardware: any laptop CPU (2 processes over gloo).
 
-What data parallelism adds to one device
+What data parallelism adds to one device, and what comes next
     diff single.py ddp.py
+    diff ddp.py zero.py    # ZeRO-1: Adam's state sharded over the ranks
 
 Docs
     https://pytorch.org/docs/stable/notes/ddp.html
@@ -69,8 +68,7 @@ def parse_args(argv=None):
     parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here
-    launch_world(parser, args, own_gpus=False)
+    launch_world(parser, args, own_gpus=False)  # torchrun's ranks, or --nproc started here
     check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
@@ -105,11 +103,11 @@ def setup(args):
 def evaluate(model, dataset, rank, world_size, batch_size, device):
     """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
-    # --- DDP: evaluate a shard on each rank, then add the sums up ---
+    # --- DDP: each rank evaluates a shard, unwrapped (no DDP hook), then the sums add up ---
     # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
     # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=batch_size // world_size, sampler=sampler)  # B/N each
     real = len(range(rank, len(dataset), world_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
@@ -117,7 +115,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
-            # smaller last batch. The unwrapped model: no DDP hook, nothing collective inside.
+            # smaller last batch.
             sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
@@ -136,10 +134,8 @@ def train(args, rank, world_size, device):
     model = SimpleModel.from_args(args).to(device, dtype)
     # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
-    # --- DDP: wrap the model ---
-    # The wrapper broadcasts rank 0's weights, then all-reduces (averages) each 25 MB bucket of
-    # gradients as soon as backward has produced it, overlapping the rest of backward.
-    # gradient_as_bucket_view: each .grad is a view into its bucket, not a copy of it.
+    # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
+    # (each 25 MB bucket as soon as backward has made it; each .grad a view into its bucket)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end ---
@@ -176,11 +172,9 @@ def train(args, rank, world_size, device):
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
-            last = micro == args.accum_steps - 1
-            with contextlib.nullcontext() if last else ddp_model.no_sync():
+            with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
                 with record_function("forward"):
                     loss = loss_fn(ddp_model(x), y)
-                    # MoE: its balancing loss over every rank's routing, one device's micro-batch
                     loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
@@ -189,7 +183,6 @@ def train(args, rank, world_size, device):
         with record_function("optimizer step"):
             # --clip: scale the whole gradient, as one vector, down to this norm if it is
             # larger (0: never; the norm is still measured). Returns the norm before clipping.
-            # After the all-reduce: every replica measures the same norm and clips alike.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
             optimizer.step()
@@ -205,12 +198,10 @@ def train(args, rank, world_size, device):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, rank, world_size,
-                                    args.batch_size // world_size, device)
+                val_loss = evaluate(model, val_set, rank, world_size, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # One writer (the replicas are identical), and a file that resumes on any world size
-            if rank == 0:
+            if rank == 0:  # one writer: the replicas are identical; resumes on any world size
                 save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,

@@ -54,10 +54,10 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, optimizer_share, receive, save_atomic
-from plumbing.checkpoints import train_state, unloadable
-from plumbing.flags import check_shared_flags, compile_and_checkpoint, grid, launch_world
-from plumbing.flags import positive, shared_parser
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.checkpoints import gather_full_state, optimizer_share  # one device's file
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.flags import grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
@@ -71,8 +71,7 @@ def parse_args(argv=None):
         "ranks in each expert-parallel group, sharing every block's experts (default: all)"))
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here
-    world_size = launch_world(parser, args)[0]
+    world_size = launch_world(parser, args)[0]  # torchrun's ranks, or --nproc started here
     grid(parser, args, "--ep", world_size)  # --ep: all ranks by default; W/EP groups
     if not args.experts or args.experts % args.ep:
         parser.error(f"--ep {args.ep} must divide --experts {args.experts} (each rank holds "
@@ -112,19 +111,20 @@ def setup(args):
 def evaluate(model, dataset, rank, world_size, batch_size, device):
     """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
-    # --- EP: evaluate a shard on each rank, then add the sums up ---
+    # --- DDP: evaluate a shard on each rank, then add the sums up ---
     # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
     # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=batch_size // world_size, sampler=sampler)  # B/N each
     real = len(range(rank, len(dataset), world_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
             real -= len(x)
-            # An EP forward is a collective (the all-to-alls): padded, every rank forwards as
-            # often, a rank out of samples with x[:0]
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            # EP's forward is a collective: padded, every rank forwards as often (x[:0] if out)
             sums[0] += loss_fn(model(x), y, reduction="sum")
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
@@ -232,36 +232,23 @@ def clip_grads(model, mesh, max_norm):
 
 
 def train(args, rank, world_size, device):
-    """Train; return the full model's weights (on rank 0, with --save), the final loss and the
-    final validation loss."""
+    """Train; return the model, the final loss and the final validation loss."""
     # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
     # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
     dtype = torch.float64 if args.fp64 else torch.float32
-    # Whole on every rank's CPU (host memory, no collective), cut there: only its share reaches
-    # its device (docs/moe.md: fsdp.py's way, and what each costs).
     seed_everything(args.seed)
-    model = SimpleModel.from_args(args).to(dtype)
+    model = SimpleModel.from_args(args).to(dtype)  # on the CPU: its device gets its share only
     # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
-    full = [name for name, _ in model.named_parameters()]  # one device's, for checkpoints
-    # Into the full model, before the cut: every rank then starts from its slice of the file.
-    state = load_checkpoint(args, model) if args.checkpoint else None
     # --- EP: the ranks as a grid, each holding its share of every block's experts ---
     # On `device`: W/EP rows ("dp") of EP ranks ("ep"), row-major: an EP group on one machine.
     mesh = init_device_mesh(device.type, (world_size // args.ep, args.ep),
                             mesh_dim_names=("dp", "ep"))
     hold_experts(model, mesh)
-    model.to(device)  # this rank's share: the replicated part and its experts
+    model.to(device)  # its share (docs/moe.md); the optimizer, made after the cut, holds it only
     # --- end ---
-    # After the cut: the optimizer holds this rank's parameters only.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    start_step = 0
-    if state is not None:
-        # This rank's share of the file's Adam state, numbered as its own optimizer numbers it
-        optimizer.load_state_dict(optimizer_share(
-            state["optimizer"], full, [name for name, _ in model.named_parameters()]))
-        start_step = state["step"]
-        print0(f"resumed from {args.checkpoint} at step {start_step}")
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
     # --- DDP: shard the data ---
@@ -300,7 +287,9 @@ def train(args, rank, world_size, device):
         with record_function("optimizer step"):
             # --- EP: every gradient over exactly the ranks that hold it, once per step ---
             sync_grads(model, mesh)
-            # --clip: the whole gradient's norm, the experts' over the EP group (clip_grads)
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            # The experts' part of the norm: over the EP group (each rank holds others).
             grad_norm = clip_grads(model, mesh, args.clip or float("inf"))
             # --- end ---
             optimizer.step()
@@ -316,93 +305,60 @@ def train(args, rank, world_size, device):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, rank, world_size,
-                                    args.batch_size // world_size, device)
+                val_loss = evaluate(model, val_set, rank, world_size, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # Rank 0 gathers the experts it lacks and writes single.py's file: it resumes on
-            # any EP degree, or in single.py. A collective: every rank takes part.
-            with meter.paused():
-                weights, adam = gather_full_state(model, optimizer, full, mesh)
-                if rank == 0:
-                    save_checkpoint(args, weights, adam, step + 1)
+            save_checkpoint(args, model, optimizer, step + 1)  # every rank: rank 0 gathers, writes
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
-    weights = gather_full_state(model, optimizer, full, mesh)[0] if args.save else None
-    return weights, final_loss, val_loss
+    return model, final_loss, val_loss
 
 
-ADAM = ("step", "exp_avg", "exp_avg_sq")  # Adam's state per parameter
-
-
-def gather_full_state(model, optimizer, full, mesh):
-    """The full model's state_dict and Adam's, as one device would have them, on rank 0's CPU
-    (None, None on the others): its EP group sends it their experts' weights and Adam's tensors
-    one at a time, in parameter order, each received into a CPU tensor, so its device never
-    holds another rank's. Rank 0 knows every name (`full`) and shape (its own experts')."""
-    own = optimizer.state_dict()["state"]
-    held = {name: [p.detach(), *(own[i][key] for key in ADAM)]
-            for i, (name, p) in enumerate(model.named_parameters())}
-    device = next(model.parameters()).device
-    if mesh.get_local_rank("dp") > 0:  # another copy of the experts: rank 0's group suffices
-        return None, None
-    if mesh.get_local_rank("ep") > 0:
-        for name, tensors in held.items():
-            if is_expert(name):
-                for tensor in tensors:
-                    dist.send(tensor.contiguous().to(device), dst=0)
-        return None, None
-    held = {name: [t.cpu() for t in tensors] for name, tensors in held.items()}  # receive's likes
-    per_rank = len(next(iter(model.blocks.values())).moe.experts)
-    for src in range(1, mesh["ep"].size()):  # in each sender's parameter order
-        for name in full:
-            parts = name.split(".")  # blocks.B.moe.experts.E.up.weight
-            if is_expert(name) and int(parts[4]) // per_rank == src:
-                like = held[".".join([*parts[:4], "0", *parts[5:]])]  # expert 0: rank 0's
-                held[name] = [receive(tensor, src, device) for tensor in like]
-    weights = {name: held[name][0] for name in full}
-    adam = {i: dict(zip(ADAM, held[name][1:])) for i, name in enumerate(full)}
-    group = dict(optimizer.state_dict()["param_groups"][0], params=list(range(len(full))))
-    return weights, {"state": adam, "param_groups": [group]}
-
-
-def save_checkpoint(args, weights, adam, step):
+def save_checkpoint(args, model, optimizer, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
+    # A collective: rank 0 gathers single.py's file (one device's), which any EP degree resumes
+    weights, adam = gather_full_state(args, [(model, optimizer)])
+    if weights is None:  # not rank 0
+        return
     save_atomic({"model": weights, "optimizer": adam,
                  **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
 
-def load_checkpoint(args, model):
-    """Read --checkpoint into the full model if it exists (return its state, or None if there
-    is none); a bad one stops with one line and is left as it was."""
+def load_checkpoint(args, model, optimizer):
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops with one line and is left as it was."""
     def refuse(why):
         fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
 
     if not os.path.exists(args.checkpoint):
-        return None
+        return 0
     try:
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
         # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
         # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
         # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
+        mine = model.state_dict()  # one device's file: the experts this rank lacks left out
+        model.load_state_dict({name: t for name, t in state["model"].items()
+                               if name in mine or not is_expert(name)})
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
         refuse(unloadable(e))  # what is wrong with it, and what to do
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
-    return state
+    optimizer.load_state_dict(optimizer_share(state["optimizer"], args, model))  # its share
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
 
 
 def run(args):
     """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
-    weights, _, _ = train(args, rank, world_size, device)
+    model, _, _ = train(args, rank, world_size, device)
+    weights = gather_full_state(args, [(model, None)])[0] if args.save else None  # a collective
     if args.save and rank == 0:
-        # Every expert, gathered on rank 0: SimpleModel's own keys, loads with strict=True
         save_atomic(weights, args.save)  # CPU tensors: loads anywhere
     leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
 

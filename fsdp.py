@@ -81,8 +81,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state
-from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
-from plumbing.flags import shared_parser
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.flags import positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
@@ -144,21 +144,23 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
     # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=batch_size // world_size, sampler=sampler)  # B/N each
     real = len(range(rank, len(dataset), world_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             # A sharded forward is a collective: every rank forwards each padded batch whole,
             # then counts its real samples only. (Cut first, a rank's last batch can be empty,
-            # which bf16's flash attention refuses: that rank fails, its peers wait.)
+            # which some kernels refuse, bf16's flash attention among them: its peers would wait.)
             logits, y = model(x.to(device))[:real], y[:real].to(device)
             real -= len(y)
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
             sums[0] += loss_fn(logits, y, reduction="sum")
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    # --reshard-after-forward false: free the weights kept for a backward that never comes
+    # Free the gathered weights FSDP keeps for a backward that never comes (the root's, at least)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -205,7 +207,7 @@ def train(args, rank, world_size, device):
         full = SimpleModel.from_args(args).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-    # After fully_shard, never before: it makes every parameter a sharded DTensor, and an
+    # After sharding, never before: it makes every parameter a DTensor, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- end ---
@@ -241,11 +243,9 @@ def train(args, rank, world_size, device):
             # --- FSDP: accumulate gradients without communicating ---
             # FSDP has no no_sync(): this switch skips the reduce-scatter, keeping whole gradients
             # (their memory) until the last micro-batch reduce-scatters the sum.
-            last = micro == args.accum_steps - 1
-            model.set_requires_gradient_sync(last)
+            model.set_requires_gradient_sync(micro == args.accum_steps - 1)
             with record_function("forward"):
                 loss = loss_fn(model(x), y)
-                # MoE: its balancing loss over every rank's routing, one device's micro-batch
                 loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
@@ -270,8 +270,7 @@ def train(args, rank, world_size, device):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, rank, world_size,
-                                    args.batch_size // world_size, device)
+                val_loss = evaluate(model, val_set, rank, world_size, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective

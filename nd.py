@@ -63,12 +63,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, receive, save_atomic, train_state, unloadable
+from plumbing.checkpoints import check_resumable, gather_full_state, save_atomic, train_state
+from plumbing.checkpoints import unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
 from plumbing.flags import shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
@@ -353,55 +353,21 @@ def train(args, rank, world_size, device):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Rank 0 gathers single.py's file: it resumes on any mesh, or in single.py.
             with meter.paused():
-                weights, adam = gather_full_state(model, stages, owner, mesh, optimizers, device)
+                # --- N-D: one whole tensor at a time on a device ---
+                # Not get_state_dict(full_state_dict=True): a stage and its moments whole on
+                # each rank's device (cpu_offload=True keeps them on global rank 0 only: other
+                # stages' senders get none). gather_full_state makes each DTensor whole by
+                # full_tensor() (an all-gather over its stage's dp x tp ranks), the stage's first
+                # rank sends it to rank 0, into its CPU, and it is freed before the next.
+                weights, adam = gather_full_state(args, list(zip(stages, optimizers)))
+                # --- end ---
                 if rank == 0:
                     save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss, state_bytes=sum(
         held_bytes(part, optimizer) for part, optimizer in zip(stages, optimizers))))
-    weights, _ = (gather_full_state(model, stages, owner, mesh, optimizers, device) if args.save
-                  else (None, None))
+    weights = gather_full_state(args, [(s, None) for s in stages])[0] if args.save else None
     return weights, final_loss, val_loss
-
-
-def gather_full_state(model, stages, owner, mesh, optimizers, device):
-    """The full model's state_dict and Adam's, as one device would have them, on rank 0's CPU
-    (None, None elsewhere), one tensor at a time: gathered whole over its stage's dp x tp ranks,
-    kept by rank 0 or sent to it along "pp" by the stage's first rank (as pipeline.py does)."""
-    names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
-    keys = ("step", "exp_avg", "exp_avg_sq")  # per parameter: a step count and two moments
-    pp, me = mesh.get_group("pp"), mesh.get_local_rank("pp")
-    first = mesh.get_local_rank("dp") == mesh.get_local_rank("tp") == 0  # its stage's sender
-    kept = {}  # (name, None): a weight; (name, key): a parameter's Adam state
-    # --- N-D: one whole tensor at a time on a device ---
-    # Not get_state_dict(full_state_dict=True): a stage and its moments whole on each rank's
-    # device (cpu_offload=True keeps them on global rank 0 only: other stages' senders get none)
-    for part, optimizer in zip(stages, optimizers):
-        for name, key, tensor in [*((n, None, t) for n, t in part.state_dict().items()),
-                                  *((n, k, optimizer.state[p][k])
-                                    for n, p in part.named_parameters() for k in keys)]:
-            # full_tensor(): an all-gather over dp x tp (the step: a plain tensor, on every rank)
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if first and me:
-                dist.send(whole.contiguous().to(device), dst=0)  # NCCL sends GPU tensors only
-            elif first:
-                kept[name, key] = whole.cpu()
-            del whole  # now, not when the next is gathered: else two are whole at once
-    # --- end ---
-    if not first or me:
-        return None, None
-    for src in range(1, mesh["pp"].size()):
-        sender = dist.get_global_rank(pp, src)  # its first dp and tp rank
-        for part in [cut(model, i, len(owner)) for i, r in enumerate(owner) if r == src]:
-            # In the sender's order; receive() returns on its `like`'s device: the CPU here
-            for name, key, like in [*((n, None, t) for n, t in part.state_dict().items()),
-                                    *((n, k, torch.zeros(()) if k == "step" else p)
-                                      for n, p in part.named_parameters() for k in keys)]:
-                kept[name, key] = receive(torch.empty_like(like, device="cpu"), sender, device)
-    group = dict(optimizers[0].state_dict()["param_groups"][0], params=list(range(len(names))))
-    return ({name: kept[name, None] for name in model.state_dict()},
-            {"state": {i: {k: kept[name, k] for k in keys} for i, name in enumerate(names)},
-             "param_groups": [group]})
 
 
 def save_checkpoint(args, weights, adam, step):

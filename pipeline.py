@@ -65,8 +65,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, optimizer_share, receive, save_atomic
-from plumbing.checkpoints import train_state, unloadable
+from plumbing.checkpoints import check_resumable, gather_full_state, optimizer_share
+from plumbing.checkpoints import save_atomic, train_state, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
 from plumbing.flags import shared_parser, torch_older_than
 from plumbing.meter import Meter, Profiler, eval_line, log_line, print0
@@ -187,7 +187,7 @@ def cut(model, stage, stages):
     plus the embeddings on the first stage and the final norm and output layer on the last.
 
     Deleting from a full copy keeps the full model's parameter names ("blocks.3.up.weight"),
-    so the stages' state_dicts are slices of the full one and merge back with a dict update.
+    so the stages' state_dicts are slices of the full one and merge back by name.
     (A model too big for one device is built on "meta" and each stage materializes its part.)
     """
     part = copy.deepcopy(model)
@@ -304,7 +304,7 @@ def train(args, rank, world_size, devices):
     if state is not None:
         # This rank's share of the file's Adam state, numbered as its own optimizer numbers it
         optimizer.load_state_dict(optimizer_share(
-            state["optimizer"], model, [name for s in stages for name, _ in s.named_parameters()]))
+            state["optimizer"], args, [name for s in stages for name, _ in s.named_parameters()]))
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
@@ -382,40 +382,13 @@ def train(args, rank, world_size, devices):
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Every rank sends its slice of the weights and of Adam's state to rank 0, which
             # writes single.py's file: it resumes on any number of stages, or in single.py.
-            weights, adam = gather_full_state(model, stages, owner, optimizer, rank, devices[0])
+            weights, adam = gather_full_state(args, [(s, optimizer) for s in stages])
             if rank == 0:
                 save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss))
-    weights, _ = (gather_full_state(model, stages, owner, optimizer, rank, devices[0]) if args.save
-                  else (None, None))
+    weights = gather_full_state(args, [(s, None) for s in stages])[0] if args.save else None
     return weights, final_loss, val_loss
-
-
-def gather_full_state(model, stages, owner, optimizer, rank, device):
-    """The full model's state_dict and Adam's, as one device would have them, on rank 0 (None,
-    None on the others, which send their slices). Plain tensor sends, not gather_object
-    (pickles): rank 0 built the full model too, so it knows every slice's names and shapes."""
-    names = [name for name, _ in model.named_parameters()]  # SimpleModel's order
-    own = optimizer.state_dict()
-    weights = {k: v for stage_module in stages for k, v in stage_module.state_dict().items()}
-    adam = {names.index(name): own["state"][i] for i, (name, _) in
-            enumerate(p for stage_module in stages for p in stage_module.named_parameters())}
-    keys = ("step", "exp_avg", "exp_avg_sq")  # per parameter: a step count and two moments
-    if rank > 0:
-        for tensor in [*weights.values(), *(adam[i][key] for i in sorted(adam) for key in keys)]:
-            dist.send(tensor.contiguous().to(device), dst=0)
-        return None, None
-    for src in range(1, dist.get_world_size()):
-        parts = [cut(model, i, len(owner)) for i, r in enumerate(owner) if r == src]
-        for name, like in [kv for part in parts for kv in part.state_dict().items()]:
-            weights[name] = receive(like, src, device)
-        # in position order, as the sender sends
-        for name, p in [kv for part in parts for kv in part.named_parameters()]:
-            shapes = {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
-            adam[names.index(name)] = {key: receive(shapes[key], src, device) for key in keys}
-    group = dict(own["param_groups"][0], params=list(range(len(names))))
-    return weights, {"state": dict(sorted(adam.items())), "param_groups": [group]}
 
 
 def save_checkpoint(args, weights, adam, step):

@@ -77,16 +77,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state
-from plumbing.flags import check_shared_flags, compile_and_checkpoint, grid, launch_world
-from plumbing.flags import positive, shared_parser
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.flags import grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
@@ -150,7 +149,7 @@ def setup(args):
     return rank, world_size, device
 
 
-def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nullcontext):
+def evaluate(model, dataset, mesh, batch_size, device):
     """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- TP: evaluate a shard on each TP group, then add the sums up ---
@@ -158,21 +157,24 @@ def evaluate(model, dataset, mesh, batch_size, device, cut_logits=contextlib.nul
     # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
     # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=batch_size // world_size, sampler=sampler)  # B/N each
     real = len(range(rank, len(dataset), world_size))
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
-            real -= len(x)
-            # A sharded forward is a collective: padded, every rank forwards as often
-            with cut_logits():
-                sums[0] += whole(loss_fn(model(x), y, reduction="sum"))
+            # A sharded forward is a collective: every rank forwards each padded batch whole,
+            # then counts its real samples only. (Cut first, a rank's last batch can be empty,
+            # which some kernels refuse, bf16's flash attention among them: its peers would wait.)
+            logits, y = model(x.to(device))[:real], y[:real].to(device)
+            real -= len(y)
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            sums[0] += whole(loss_fn(logits, y, reduction="sum"))
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     # Over "dp" only: the T ranks of a TP group work on the same samples, hold the same sums.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=mesh.get_group("dp"))
-    # 2D: free the weights FSDP's root keeps for a backward that never comes
+    # Free the gathered weights FSDP keeps for a backward that never comes (the root's, at least)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -207,10 +209,9 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
         "norm": SequenceParallel() if sequence_parallel else None, "head": None}
     # The ends: with SP the first block takes its part of the sequence, the final norm works on
     # parts; loss parallelism cuts the head over the vocabulary and leaves its logits cut.
-    ends = {}
-    if sequence_parallel:
-        ends["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(),
-                                              desired_input_layouts=Shard(1), use_local_output=True)
+    first = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                               use_local_output=True)
+    ends = {"blocks.0": first} if sequence_parallel else {}
     if vocab_parallel:
         styles["head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                          use_local_output=False)
@@ -290,7 +291,7 @@ def train(args, rank, world_size, device):
         full = SimpleModel.from_args(args).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
-    # After parallelize, never before: it makes every parameter a sharded DTensor, and an
+    # After sharding, never before: it makes every parameter a DTensor, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     # --- end ---
@@ -325,22 +326,20 @@ def train(args, rank, world_size, device):
             x, y = x.to(device), y.to(device)
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
-            # --- TP: accumulate gradients ---
-            # TP's all-reduces carry activations, needed by every micro-batch; 2D's FSDP
-            # skips its reduce-scatter until the last, as fsdp.py does.
-            last = micro == args.accum_steps - 1
+            # --- TP: accumulate gradients (TP's all-reduces, of activations, run in each) ---
+            # 2D, as fsdp.py: FSDP's switch skips the reduce-scatter, keeping whole gradients
+            # (their memory) until the last micro-batch reduce-scatters the sum.
             if dp > 1:
-                model.set_requires_gradient_sync(last)
+                model.set_requires_gradient_sync(micro == args.accum_steps - 1)
             # --- Loss parallelism: the loss and its backward run on the cut logits ---
             # loss_parallel(): the cross-entropy of logits cut over the vocabulary, from
             # all-reduces of one number per token; backward, in pieces too, runs inside it.
-            with cut_logits():
-                with record_function("forward"):
-                    loss = loss_fn(model(x), y) / args.accum_steps
-                with record_function("backward"):
-                    loss.backward()
+            with cut_logits(), record_function("forward"):
+                loss = whole(loss_fn(model(x), y)) / args.accum_steps
+            with cut_logits(), record_function("backward"):
+                loss.backward()
             # --- end ---
-            loss_sum += whole(loss.detach())
+            loss_sum += loss.detach()
         with record_function("optimizer step"):
             # --- SP: the norms' gradients, added up over the TP group once per step ---
             sum_partial_grads(model)
@@ -361,9 +360,8 @@ def train(args, rank, world_size, device):
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.full_tensor().item(),
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, mesh, args.batch_size // dp, device,
-                                    cut_logits)
+            with meter.paused(), record_function("evaluation"), cut_logits():
+                val_loss = evaluate(model, val_set, mesh, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective

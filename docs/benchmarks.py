@@ -263,7 +263,8 @@ def alltoall(steps=8):
 
 
 def ep_save(script="ep.py", ranks=8):
-    """Rank 0's memory while ep.py gathers its checkpoint (gather_full_state), at hidden 256,
+    """Rank 0's memory while ep.py gathers its checkpoint (plumbing/checkpoints.py's
+    gather_full_state), at hidden 256,
     8 experts, 4 blocks, fp32, EP 8 (each rank holds one expert per block), after an Adam step.
     In this process, as rank 0 of a group of `ranks` whose collectives move nothing (torch's
     test backend "fake"): ep.py's own code allocates every tensor it would, at its size, on the
@@ -272,6 +273,7 @@ def ep_save(script="ep.py", ranks=8):
     the CPU, where the device is the host: the process's peak resident memory during the
     gather (VmHWM, reset just before) over its resident memory before. `script`: another
     ep.py (git show HEAD:ep.py > /tmp/ep.py, say, for the one before a change)."""
+    import argparse
     import importlib.util
 
     import torch
@@ -280,6 +282,7 @@ def ep_save(script="ep.py", ranks=8):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     sys.path.insert(0, REPO)
     from common import SimpleModel
+    from plumbing.checkpoints import gather_full_state
     spec = importlib.util.spec_from_file_location("ep_measured", os.path.join(REPO, script))
     ep_ = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ep_)
@@ -303,7 +306,6 @@ def ep_save(script="ep.py", ranks=8):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
     mesh = init_device_mesh(device.type, (1, ranks), mesh_dim_names=("dp", "ep"))
     model = SimpleModel(hidden=256, blocks=4, heads=4, experts=8, top_k=2)
-    full = [name for name, _ in model.named_parameters()]
     experts = sum(p.numel() * 4 for name, p in model.named_parameters() if ep_.is_expert(name))
     ep_.hold_experts(model, mesh)
     model.to(device)
@@ -319,7 +321,8 @@ def ep_save(script="ep.py", ranks=8):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux: the peak resident memory (VmHWM) starts again from now
     before = memory("VmRSS")
-    state = ep_.gather_full_state(model, optimizer, full, mesh)
+    flags = argparse.Namespace(hidden=256, blocks=4, heads=4, experts=8, top_k=2)
+    state = gather_full_state(flags, [(model, optimizer)])
     grown = memory("VmHWM") - before
     table(f"{script}: rank 0 gathering a checkpoint, EP {ranks}, {device.type}",
           ["every expert's weights (MiB)", "received: 3 x (EP-1)/EP of them (MiB)",

@@ -1,6 +1,8 @@
 """A checkpoint's bookkeeping: saved atomically, on the CPU, with the train state that says
-whether a run can continue it. Every script's save_checkpoint and load_checkpoint call these;
-what a learner must see stays in the script (weights_only, map_location, the unwrap, DCP).
+whether a run can continue it; one device's file gathered from ranks that each hold a slice
+of the model (ep.py, pipeline.py, nd.py), and each rank's share of Adam's state read back
+from it. Every script's save_checkpoint and load_checkpoint call these; what a learner must
+see stays in the script (weights_only, map_location, the unwrap, DCP, what each rank holds).
 """
 
 import os
@@ -9,6 +11,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import common
 
 
 
@@ -64,15 +69,22 @@ def unloadable(error):
 
 
 
-def optimizer_share(full_state, full, held):
-    """The part of one device's Adam state_dict (`full_state`, whose parameters are numbered in
-    the order of `full`'s named_parameters) that belongs to the parameters named `held` (a
-    stage's, a rank's experts'), numbered from 0 in their order, as their optimizer numbers
-    them: a checkpoint of one device's shape, resumed by ranks that hold slices of the model.
-    `full` and `held` are modules or lists of parameter names."""
-    full, held = ([name for name, _ in names.named_parameters()] if isinstance(names, nn.Module)
-                  else names for names in (full, held))
-    index = {name: i for i, name in enumerate(full)}
+def one_device(args, dtype=torch.float32):
+    """The model one device trains with these flags, on "meta": every name and shape, in one
+    device's order, and no storage."""
+    with torch.device("meta"):
+        return common.SimpleModel.from_args(args).to(dtype)
+
+
+
+def optimizer_share(full_state, args, held):
+    """The part of one device's Adam state_dict (`full_state`, its parameters numbered in one
+    device's order: one_device(args)'s) that belongs to the parameters `held` (a module's, or
+    a list of names: a stage's, a rank's experts'), numbered from 0 in their order, as their
+    optimizer numbers them: one device's checkpoint, resumed by ranks that hold its slices."""
+    if isinstance(held, nn.Module):
+        held = [name for name, _ in held.named_parameters()]
+    index = {name: i for i, (name, _) in enumerate(one_device(args).named_parameters())}
     group = dict(full_state["param_groups"][0], params=list(range(len(held))))
     return {"state": {i: full_state["state"][index[name]] for i, name in enumerate(held)},
             "param_groups": [group]}
@@ -82,32 +94,30 @@ def optimizer_share(full_state, full, held):
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # Adam's state per parameter: a count, two moments
 
 
-def gather_full_state(full, parts):
+def gather_full_state(args, parts):
     """One device's checkpoint of a model whose pieces the ranks hold (a rank's experts, a
-    pipeline's stages, their TP and FSDP shards): the full model's state_dict and Adam's,
-    numbered as one device's Adam numbers it, on rank 0's CPU; (None, None) on the others. A
-    collective: every rank calls it, with the same `full`.
-
-    full: the whole model, on "meta" will do: every name and shape, in one device's order.
-    parts: the (module, optimizer) pairs this rank holds, their names `full`'s (a stage cut
-        from a copy, a model whose other experts were deleted); optimizer None: weights only.
+    pipeline's stages, their TP and FSDP shards): the state_dict of one_device(args) and its
+    Adam's, numbered as one device's Adam numbers it, on rank 0's CPU; (None, None) on the
+    others. A collective: every rank calls it. `parts`: the (module, optimizer) pairs this
+    rank holds, named as one device's model (a stage cut from a copy, a model whose other
+    experts were deleted); optimizer None: the weights only.
 
     Each tensor travels once, from the lowest rank that holds it (the others hold a copy, or
-    shards the all-gather takes), in `full`'s order: rank 0 receives it through its device
+    shards the all-gather takes), in one device's order: rank 0 receives it through its device
     (NCCL sends GPU tensors only) into a CPU tensor before the next, so its device never holds
     more than one of another rank's tensors. A DTensor is made whole (full_tensor(): an
     all-gather over the ranks that hold it, every one of them taking part) one at a time too,
     freed before the next. Plain sends, not gather_object (pickles): rank 0 knows every name
-    and shape from `full`."""
-    from torch.distributed.tensor import DTensor  # here: only the sharded scripts hold DTensors
+    and shape from the flags."""
     with_adam = parts[0][1] is not None
     held = {}  # name: its weight, then Adam's tensors, as this rank holds them
     for module, optimizer in parts:
         held.update({name: [tensor] for name, tensor in module.state_dict().items()})
         for name, p in module.named_parameters() if with_adam else ():
             held[name] += [optimizer.state[p][key] for key in ADAM]
-    device = next(parts[0][0].parameters()).device
-    rank, shapes, params = dist.get_rank(), full.state_dict(), dict(full.named_parameters())
+    some = next(parts[0][0].parameters())  # its device, what the tensors travel through
+    device, full, rank = some.device, one_device(args, some.dtype), dist.get_rank()
+    shapes, params = full.state_dict(), dict(full.named_parameters())
     # Each name's sender, the lowest rank that holds it: an all-reduce, so every rank knows
     senders = torch.tensor([rank if name in held else dist.get_world_size() for name in shapes],
                            device=device)

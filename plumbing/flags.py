@@ -165,8 +165,18 @@ def check_shared_flags(parser, args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    if parser.replicas:
-        check_replicas(parser, args, use_cuda)
+    if parser.replicas:  # DataParallel: a copy of the model per GPU, made again every step
+        parser.ranks = torch.cuda.device_count() if use_cuda else 1  # the CPU: no copies at all
+        if args.compile:  # torch.compile does not follow the copies (its docs recommend DDP)
+            parser.error("--compile: not with DataParallel, which copies the model to each GPU "
+                         "every step; use ddp.py --compile (or single.py --compile)")
+        if args.activation_checkpointing and parser.ranks > 1:
+            # The checkpointed forward (compile_and_checkpoint) is stored on each block's
+            # __dict__, bound to the block on GPU 0, and DataParallel copies a module's __dict__
+            # into every replica: each would run GPU 0's weights on its own GPU's slice, and fail.
+            parser.error(f"--activation-checkpointing: not with DataParallel on {parser.ranks} "
+                         "GPUs (its replicas would all run GPU 0's weights); use ddp.py "
+                         "--activation-checkpointing, or one GPU (CUDA_VISIBLE_DEVICES=0)")
     problem = compile_problem(use_cuda, args.fp64) if args.compile else None
     if problem:  # no compiler, say
         parser.error(problem)
@@ -190,26 +200,6 @@ def check_shared_flags(parser, args):
             parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
                          "create it first")
     return use_cuda
-
-
-
-def check_replicas(parser, args, use_cuda):
-    """DataParallel's refusals: what cannot follow the model onto the copies it makes of it on
-    every GPU at every step. Sets parser.ranks, the copies, for check_model."""
-    parser.ranks = torch.cuda.device_count() if use_cuda else 1  # the CPU: no wrapper at all
-    if args.compile:
-        # DataParallel copies the model onto every GPU at every step, and torch.compile does
-        # not follow it there (its docs recommend DDP).
-        parser.error("--compile: not with DataParallel, which copies the model to each GPU "
-                     "every step; use ddp.py --compile (or single.py --compile)")
-    if args.activation_checkpointing and parser.ranks > 1:
-        # The checkpointed forward (compile_and_checkpoint) is stored on each block (its
-        # __dict__), bound to the block on GPU 0, and DataParallel copies a module's __dict__
-        # into every replica: each replica would run GPU 0's weights on its own GPU's slice,
-        # and fail.
-        parser.error(f"--activation-checkpointing: not with DataParallel on {parser.ranks} GPUs "
-                     "(its replicas would all run GPU 0's weights); use ddp.py "
-                     "--activation-checkpointing, or one GPU (CUDA_VISIBLE_DEVICES=0)")
 
 
 

@@ -14,9 +14,10 @@ def check_model(parser, args, ranks=None):
     """Refuse (parser.error) a model this run would train silently differently from one
     device, after the model's own checks of its flags (from_args) and the dataset's size:
     BatchNorm where ranks (`ranks`: by default this run's, or DataParallel's replicas,
-    parser.ranks) or micro-batches each see a part of the batch; a tied weight in a pipeline (--microbatches), whose stages would each
-    train a copy; and with --tp (tp.py, nd.py) a tp_plan that names a module the model lacks, an
-    unknown kind, cuts nothing, or cuts a tied head over the vocabulary (--loss-parallel)."""
+    parser.ranks) or micro-batches each see a part of the batch; a tied weight in a pipeline
+    (--microbatches), whose stages would each train a copy; and with --tp (tp.py, nd.py) a
+    tp_plan that names a module the model lacks, an unknown kind, cuts nothing, or cuts a tied
+    head over the vocabulary (--loss-parallel)."""
     try:
         with torch.device("meta"):  # shapes only, however large (as fsdp.py and tp.py build it)
             model = common.SimpleModel.from_args(args)

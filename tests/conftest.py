@@ -363,12 +363,16 @@ def launch_together(commands, timeout=150, env=None):
 # queue. So a queued launch may take longer than one a test starts: its timeout is longer, and
 # counts from its own start, not from when the queue reaches it. How much longer depends on the
 # machine: four ranks of many small collectives, niced behind busy tests, took 40 s here and
-# were still short of their 20th step after 300 s on a slower CI machine (stop 40's CI).
+# were still short of their 20th step after 300 s on a slower CI machine.
 LAUNCH_SLOTS = 3
 QUEUED_TIMEOUT = 600
 EARLY = {}  # module name: (folder, futures of its results, in order)
 EARLY_FOLDERS = []
 QUEUE = concurrent.futures.ThreadPoolExecutor(max_workers=LAUNCH_SLOTS)
+# An early launch may also be a function (launch_and_kill_a_worker, say): a run that mostly
+# waits (for a timeout, a restart) and needs this process to watch it. Those start at once,
+# each in a thread of its own, beside the queue: their waiting overlaps the tests' compute.
+WATCHERS = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 RUNNING = set()  # queued launches started and not yet finished, to stop at the end
 
 
@@ -391,12 +395,14 @@ def pytest_collection_finish(session):
             folder = Path(tempfile.mkdtemp(prefix=f"{module.__name__}-"))
             EARLY_FOLDERS.append(folder)
             commands, env = module.early_launches(folder)
-            EARLY[module.__name__] = folder, [QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT)
-                                              for cmd in commands]
+            EARLY[module.__name__] = folder, [
+                WATCHERS.submit(cmd) if callable(cmd)
+                else QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT) for cmd in commands]
 
 
 def pytest_sessionfinish(session):
     QUEUE.shutdown(wait=False, cancel_futures=True)  # queued, never collected (-x, say)
+    WATCHERS.shutdown(wait=False, cancel_futures=True)
     for proc in list(RUNNING):
         if proc.poll() is None:
             kill(proc)

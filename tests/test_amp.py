@@ -5,8 +5,9 @@ import importlib
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from common import SEQ_LEN, VOCAB, SimpleModel
+from common import SimpleModel
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, JOB_FLAGS, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, fp64, load_saved, logged_losses, max_diff,
@@ -14,7 +15,7 @@ from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, 
                       summary_val_loss)
 from reference import reference_train
 
-amp = importlib.import_module("amp")  # the script under test, for its optimizer_step
+amp = importlib.import_module("amp")  # the script under test, run in this process
 
 # Measured on CPU, torch 2.13.0, JOB (8 steps): the final loss of bf16 is 5.7e-7 and of fp16
 # 2.3e-6 away from fp32's, relative (docs/proofs.md). bf16 keeps 8 mantissa bits (rounding
@@ -72,46 +73,53 @@ def test_low_precision_on_cpu_trains_to_the_fp32_loss(name, runs, reference, ref
     assert summary_val_loss(out) == pytest.approx(reference_val, rel=LOW_PRECISION_REL_TOL)
 
 
-def _scaled_backward(scaler, model=None):
-    """A model whose .grad holds scaled gradients, as after `scaler.scale(loss).backward()`."""
-    if model is None:
-        torch.manual_seed(0)
-        model = SimpleModel(hidden=8, blocks=1, heads=2)
-    x = torch.randint(VOCAB, (64, SEQ_LEN), generator=torch.Generator().manual_seed(1))
-    loss = 100 * model(x).pow(2).mean()  # large enough that the gradient norm exceeds 1
-    scaler.scale(loss).backward()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+def test_a_step_with_inf_gradients_is_skipped_and_the_scale_backs_off(monkeypatch, tmp_path):
+    """fp16, 3 steps, step 2's gradient poisoned with inf (a term added after its forward, where
+    train() adds the balancing loss): the scaler skips step 2 (the weights before step 3 are
+    those before step 2), says so with the halved scale, and step 3 goes through."""
+    before, real_balance = [], amp.balance
+
+    def poisoned(model, args, *group):  # called once per step here (one micro-batch each)
+        before.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        term = real_balance(model, args, *group)
+        return term + float("inf") * next(model.parameters()).sum() if len(before) == 2 else term
+
+    monkeypatch.setattr(amp, "balance", poisoned)
+    out, final = run_in_process("amp", ["--dtype=fp16", "--device=cpu", "--steps=3"], tmp_path)
+    assert "step 2: skipped, inf/NaN gradients; fp16 loss scale lowered to 32768" in out
+    assert "step 1: skipped" not in out and "step 3: skipped" not in out
+    assert max_diff(before[1], before[0]) > 0  # step 1 trained
+    assert max_diff(before[2], before[1]) == 0.0  # step 2 left every weight as it was
+    assert max_diff(final, before[2]) > 0  # and the next clean step goes through
 
 
-def test_step_with_inf_gradient_is_skipped_and_scale_backs_off():
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    model, optimizer = _scaled_backward(scaler)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    next(model.parameters()).grad[0, 0] = float("inf")
-    _, skipped = amp.optimizer_step(model, optimizer, scaler, clip=1.0)
-    assert skipped
-    assert max_diff(model.state_dict(), before) == 0.0  # weights untouched
-    assert scaler.get_scale() == 512.0  # backed off by the default factor 0.5
-    # and the next clean step goes through
-    model, optimizer = _scaled_backward(scaler, model)
-    _, skipped = amp.optimizer_step(model, optimizer, scaler, clip=1.0)
-    assert not skipped and max_diff(model.state_dict(), before) > 0
-
-
-def test_gradients_are_unscaled_before_clipping():
-    scale = 65536.0
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
-    model, optimizer = _scaled_backward(scaler)
-    true_norm = torch.linalg.vector_norm(
-        torch.cat([p.grad.flatten() / scale for p in model.parameters()]))
-    assert true_norm > 1.0  # so that clip=1.0 bites
+def run_seeing_the_gradient_adam_gets(script, flags, folder):
+    """run_in_process(script, flags, folder), and the norm of the gradient each optimizer.step()
+    received: (stdout, saved weights, norms). tests/test_zoo.py runs its amp.py mistake so."""
     seen = []
-    optimizer.step = lambda: seen.append(  # look at the gradients the optimizer receives
-        torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
-    norm, skipped = amp.optimizer_step(model, optimizer, scaler, clip=1.0)
-    assert not skipped
-    assert norm.item() == pytest.approx(true_norm.item(), rel=1e-5)  # the true norm, not x65536
-    assert seen[0].item() == pytest.approx(1.0, rel=1e-4)  # clipped to exactly the bound
+
+    def look(optimizer, args, kwargs):
+        grads = [p.grad.flatten() for group in optimizer.param_groups for p in group["params"]]
+        seen.append(torch.linalg.vector_norm(torch.cat(grads)).item())
+
+    hook = register_optimizer_step_pre_hook(look)  # every optimizer's, until removed
+    try:
+        return (*run_in_process(script, flags, folder), seen)
+    finally:
+        hook.remove()
+
+
+def test_gradients_are_unscaled_before_clipping(tmp_path):
+    """fp16 with --clip: the norm printed and clipped is the true gradient's, not 65536 times
+    it (the fp32 oracle's, to fp16's rounding), and the gradient Adam receives has exactly the
+    clip's norm (clipped before unscale_, it would get 1/65536 of it: tests/test_zoo.py)."""
+    out, _, seen = run_seeing_the_gradient_adam_gets(
+        "amp", ["--dtype=fp16", "--device=cpu", f"--clip={CLIP}"], tmp_path)
+    norms = []
+    reference_train(**JOB, clip=CLIP, norms=norms)
+    assert min(norms) > CLIP  # so the clip acts at every step
+    assert_norms_are_the_oracles(out, norms, rel=LOW_PRECISION_REL_TOL)
+    assert seen == pytest.approx([CLIP] * JOB["steps"], rel=1e-4)  # clipped to the bound
 
 
 def test_fp16_checkpoint_resumes_with_its_scaler_to_the_uninterrupted_weights(tmp_path, capsys):
@@ -136,8 +144,8 @@ def test_fp64_with_16_bit_autocast_is_refused_in_one_line(capsys):
 
 
 def test_fp64_clipped_and_accumulated_through_the_scaler_path_equals_the_fp64_oracle(tmp_path):
-    """--fp64 picks autocast off (fp32's path: the disabled GradScaler, unscale_, clipping in
-    optimizer_step): in float64 it is the oracle to ~1e-12, not only to fp32's 1e-6."""
+    """--fp64 picks autocast off (fp32's path: the disabled GradScaler, unscale_, clipping and
+    the scaler's step): in float64 it is the oracle to ~1e-12, not only to fp32's 1e-6."""
     seed = FP64_SEEDS[1]
     run = run_in_process("amp", [*fp64(seed, clip=FP64_CLIP), "--accum-steps=3"], tmp_path)
     assert "amp: dtype fp32" in run[0]

@@ -1,4 +1,5 @@
-"""ddp.py trains to the same weights as one device, however the batch is spread."""
+"""ddp.py trains to the same weights as one device, however the batch is spread; so does
+zero.py, ddp.py with Adam's state sharded (ZeRO-1), whose checkpoint ddp.py resumes."""
 
 import re
 import shutil
@@ -12,10 +13,10 @@ from common import SimpleModel, make_dataset
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS,
                       JOB, TOL, VAL_TOL, assert_fp64_run_equals_the_fp64_oracle,
                       assert_gpu_run_equals_oracle, assert_norms_are_the_oracles, assert_profiled,
-                      early_runs, fails_clearly, fp32_reference, fp64, launched_runs, load_saved,
+                      early_results, fails_clearly, fp32_reference, fp64, load_saved,
                       logged_losses, logged_val_losses, max_diff, moe, needs_2_gpus, needs_cuda, ok,
-                      python, refused_in_one_line, run_as_only_rank, succeeded, summary_val_loss,
-                      torchrun)
+                      python, refused_in_one_line, run_as_only_rank, run_commands, succeeded,
+                      summary_val_loss, torchrun)
 from reference import reference_val_loss, token_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -25,31 +26,39 @@ SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 RUNS = {
     # fp32, what users run: the short job (and traces steps 5-7)
     "2 ranks": (2, ["--profile={folder}/trace"]),
-    "2 ranks, zero1": (2, ["--zero1"]),  # Adam's state sharded over the 2 ranks
-    # fp64 on odd flags: 3 ranks (the held-out set pads), 3 micro-batches, blocks that recompute
-    # their activations (compiled: tp.py's spawn run and single.py), ZeRO-1, and a checkpoint at
-    # the end, which 1 rank continues without ZeRO-1
-    "fp64, 3 ranks, accum 3, AC, zero1": (3, [*fp64(SEED_A), "--accum-steps=3",
-                                                       "--activation-checkpointing", "--zero1",
-                                                       "--checkpoint={folder}/ckpt.pt"]),
     # `python ddp.py` starts 4, which clip the gradient at every step, with CUDA's defaults,
     # training a mixture of 3 experts, top-1 (tests/test_moe.py), over 3 micro-batches: its
     # balancing loss takes the 4 ranks' routing (one device's micro-batch)
     "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (None, [
         CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]]),
 }
+# zero.py's, the same way: Adam's state sharded over 2 ranks; and fp64 on odd flags: 3 ranks
+# (the held-out set pads), 3 micro-batches, blocks that recompute their activations (compiled:
+# tp.py's spawn run and single.py), and a checkpoint at the end, which ddp.py continues on 1 rank
+ZERO_RUNS = {
+    "zero, 2 ranks": (2, []),
+    "zero, fp64, 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
+                                             "--activation-checkpointing",
+                                             "--checkpoint={folder}/ckpt.pt"]),
+}
 FP64_RUNS = {  # name: (seed, clip, the oracle's mixture)
-    "fp64, 3 ranks, accum 3, AC, zero1": (SEED_A, None, {}),
+    "zero, fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),
     "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (SEED_B, FP64_CLIP,
                                                                    moe(3, 1, 3)[1])}
 
 
-early_launches = early_runs("ddp.py", RUNS)  # queued when the tests are collected
+def early_launches(folder):  # queued when the tests are collected
+    return [*run_commands("ddp.py", RUNS, folder)[0],
+            *run_commands("zero.py", ZERO_RUNS, folder)[0]], None
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return launched_runs(__name__, "ddp.py", RUNS)
+    """{name: (result, path it saved to)} of RUNS (ddp.py) and ZERO_RUNS (zero.py)."""
+    folder, results = early_results(__name__)
+    paths = [*run_commands("ddp.py", RUNS, folder)[1],
+             *run_commands("zero.py", ZERO_RUNS, folder)[1]]
+    return dict(zip([*RUNS, *ZERO_RUNS], zip(results, paths)))
 
 
 def state_mib(stdout):
@@ -69,16 +78,16 @@ def test_ddp_on_2_ranks_equals_one_device_in_fp32(runs):
 
 
 def test_zero1_on_2_ranks_equals_one_device_and_holds_8_plus_8_over_2_bytes_per_weight(runs):
-    """Adam's moments (8 of the 16 bytes per fp32 weight) dealt over 2 ranks: 12 bytes per
-    weight on each, as far as the greedy split by size balances them."""
-    out, weights_ = succeeded(runs["2 ranks, zero1"])
+    """zero.py: Adam's moments (8 of the 16 bytes per fp32 weight) dealt over 2 ranks: 12
+    bytes per weight on each, as far as the greedy split by size balances them."""
+    out, weights_ = succeeded(runs["zero, 2 ranks"])
     assert max_diff(weights_, fp32_reference()[1]) < TOL
     plain = state_mib(succeeded(runs["2 ranks"])[0])
     assert state_mib(out) == pytest.approx(plain * 12 / 16, rel=0.05)
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_ddp_on_3_and_4_ranks_with_accumulation_zero1_or_clipping_equals_the_fp64_oracle(
+def test_fp64_ddp_or_zero1_on_3_and_4_ranks_with_accumulation_or_clipping_equals_the_fp64_oracle(
         name, runs):
     """40 steps, four epochs, lr 0.01, two seeds: within 1e-9, and the exact validation loss
     (on 3 ranks the held-out set pads; the test below shows what a naive average would do);
@@ -124,12 +133,12 @@ def test_profile_writes_a_trace_per_rank_with_the_phases_and_the_all_reduce_of_e
                     "optimizer step", ("gloo:all_reduce", "nccl:all_reduce"))
 
 
-def test_fp64_zero1_checkpoint_from_3_ranks_resumes_on_1_rank_without_zero1(runs, tmp_path):
-    """The 3-rank ZeRO-1 run's checkpoint (step 40: Adam's state gathered from the 3 ranks),
-    continued to step 48 on 1 rank with plain Adam (torchrun's only worker, in this process),
+def test_fp64_zero1_checkpoint_from_3_ranks_resumes_in_ddp_py_on_1_rank(runs, tmp_path):
+    """zero.py's 3-rank checkpoint (step 40: Adam's state gathered from the 3 ranks), continued
+    to step 48 by ddp.py on 1 rank with plain Adam (torchrun's only worker, in this process),
     ends within 1e-9 of 48 uninterrupted steps on one device (and proves 1-rank DDP too).
-    Nothing in the file depends on the world size or on --zero1."""
-    shutil.copy(runs["fp64, 3 ranks, accum 3, AC, zero1"][1].parent / "ckpt.pt",
+    Nothing in the file depends on the world size or on ZeRO-1."""
+    shutil.copy(runs["zero, fp64, 3 ranks, accum 3, AC"][1].parent / "ckpt.pt",
                 tmp_path / "c1.pt")
     steps = FP64_JOB["steps"] + 8
     out, resumed = run_as_only_rank("ddp", [*fp64(SEED_A, steps=steps),
@@ -213,20 +222,20 @@ def test_zero1_holds_its_adam_share_once_after_resuming_and_after_each_checkpoin
     """ZeroRedundancyOptimizer.load_state_dict also fills the wrapper's own `state` with a copy
     of this rank's moments, which nothing reads (on a GPU: 8 + 16/N bytes per weight where
     8 + 8/N would do), and consolidate_state_dict leaves every rank's moments in rank 0's memory
-    after the checkpoint is written. ddp.py frees both: counted on one rank, resumed."""
-    import ddp
+    after the checkpoint is written. zero.py frees both: counted on one rank, resumed."""
+    import zero
     seen = []
-    real_load = ddp.load_checkpoint
+    real_load = zero.load_checkpoint
 
     def load(args, model, optimizer):
         step = real_load(args, model, optimizer)
         seen.append(optimizer)
         return step
 
-    monkeypatch.setattr(ddp, "load_checkpoint", load)
+    monkeypatch.setattr(zero, "load_checkpoint", load)
     ckpt = f"--checkpoint={tmp_path / 'ckpt.pt'}"
-    run_as_only_rank("ddp", ["--zero1", "--steps=2", ckpt], tmp_path)  # writes it at step 2
-    run_as_only_rank("ddp", ["--zero1", "--steps=4", ckpt], tmp_path)  # resumes at step 2
+    run_as_only_rank("zero", ["--steps=2", ckpt], tmp_path)  # writes it at step 2
+    run_as_only_rank("zero", ["--steps=4", ckpt], tmp_path)  # resumes at step 2
     resumed = seen[-1]
     assert sum(len(s) for s in resumed.optim.state.values()) > 0  # the share Adam steps
     assert len(resumed.state) == 0  # and no second copy of it

@@ -2,6 +2,7 @@
 number of ranks; a dead peer ends the job; bad input is refused in one line."""
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -12,7 +13,8 @@ import torch
 import common
 import plumbing.checkpoints
 import plumbing.ranks
-from conftest import (JOB, free_port, launch_and_kill_a_worker, launch_together, load_saved,
+from conftest import (JOB, early_results, free_port, launch_and_kill_a_worker, launch_together,
+                      load_saved,
                       max_diff, refused_in_one_line, torchrun_cmd)
 from reference import reference_train
 from conftest import FP64_TOL
@@ -23,17 +25,37 @@ LONG = dict(JOB, steps=40, batch_size=60)  # 16 steps an epoch: the resume cross
 LONG_FLAGS = [*(f"--{k.replace('_', '-')}={v}" for k, v in LONG.items()), "--device=cpu"]
 
 
-def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weights(tmp_path):
-    result, _ = launch_and_kill_a_worker(
-        *TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "ddp.py",
-        *LONG_FLAGS, "--fp64", f"--checkpoint={tmp_path / 'ckpt.pt'}", "--checkpoint-every=10",
-        f"--save={tmp_path / 'w.pt'}", script="ddp.py", when="checkpoint: step 20")
+def early_launches(folder):  # started when the tests are collected (conftest.py)
+    """Runs that mostly wait (for a restart, for the process group's timeout), each watched
+    from a thread of this process, which kills a worker once a line appears: they wait
+    beside the other tests instead of before them."""
+    restart = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "ddp.py",
+               *LONG_FLAGS, "--fp64", f"--checkpoint={folder / 'ckpt.pt'}",
+               "--checkpoint-every=10", f"--save={folder / 'w.pt'}"]
+    dead_peer = {"torchrun": [*TORCHRUN, "--standalone", "--nproc_per_node=2", "ddp.py"],
+                 "spawn": [sys.executable, "ddp.py", "--nproc=2", "--device=cpu"]}
+    return [functools.partial(launch_and_kill_a_worker, *restart, script="ddp.py",
+                              when="checkpoint: step 20"),
+            *(functools.partial(launch_and_kill_a_worker, *cmd, *LONG_FLAGS, "--timeout=10",
+                                "--log-every=1", script="ddp.py", when="step    10/")
+              for cmd in dead_peer.values())], None
+
+
+@pytest.fixture(scope="module")
+def watched():
+    """(folder, [the restarted run, the dead peer under torchrun, under spawn]): each a
+    (CompletedProcess, seconds from the kill to the exit)."""
+    return early_results(__name__)
+
+
+def test_sigkill_of_a_worker_under_max_restarts_resumes_to_the_one_device_weights(watched):
+    folder, [(result, _), *_] = watched
     assert result.returncode == 0, result.stdout
     assert "resumed from" in result.stdout  # the group really restarted from the file
     # In float64 the restarted job is the uninterrupted one on one device, where fp32's
     # summation orders could part them over 40 steps (docs/drift.md).
     _, expected, _ = reference_train(**LONG, fp64=True)
-    assert max_diff(load_saved(tmp_path / "w.pt"), expected) < FP64_TOL
+    assert max_diff(load_saved(folder / "w.pt"), expected) < FP64_TOL
 
 
 def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch):
@@ -51,14 +73,13 @@ def test_crash_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_a_dead_peer_ends_the_job_with_an_error(launcher, tmp_path):
-    cmd = ([*TORCHRUN, "--standalone", "--nproc_per_node=2", "ddp.py"] if launcher == "torchrun"
-           else [sys.executable, "ddp.py", "--nproc=2", "--device=cpu"])
-    result, seconds = launch_and_kill_a_worker(
-        *cmd, *LONG_FLAGS, "--timeout=10", "--log-every=1", script="ddp.py", when="step    10/")
+@pytest.mark.parametrize("launcher", [1, 2], ids=["torchrun", "spawn"])
+def test_a_dead_peer_ends_the_job_with_an_error(launcher, watched):
+    result, seconds = watched[1][launcher]
     assert result.returncode != 0
-    assert seconds < 10 + 5  # within the process-group timeout (plus the launcher's teardown)
+    # within the process-group timeout (10 s), plus the launcher's teardown on a busy machine;
+    # a hang would last until launch_and_kill_a_worker's own timeout
+    assert seconds < 10 + 10
 
 
 def load_checkpoint(module, args, model):

@@ -347,6 +347,6 @@ def test_evaluation_on_6_ranks_forwards_no_empty_batch_and_counts_only_real_samp
     forwarded, counted = [], []
     model.register_forward_pre_hook(lambda _, args: forwarded.append(len(args[0])))
     monkeypatch.setattr(fsdp.dist, "all_reduce", lambda sums, op: counted.append(sums[1].item()))
-    fsdp.evaluate(model, common.make_dataset("val"), 5, 6, 83, torch.device("cpu"))
+    fsdp.evaluate(model, common.make_dataset("val"), 5, 6, 6 * 83, torch.device("cpu"))
     assert forwarded == [83, 83, 1]
     assert counted == [166 * common.SEQ_LEN]

@@ -102,15 +102,15 @@ def test_no_rank_holds_a_whole_stage_at_the_build_or_the_save(as_torchrun, fake_
     process: collectives that send nothing but allocate what they return). From train()'s
     start to its first PipelineStage it allocates its pieces (a quarter of a stage: dp x tp =
     4), under half a stage; while it gathers a checkpoint, under one stage's weights: one
-    whole tensor at a time (docs/memory.md: what the other ways hold). (Rank 0's CPU holds the whole model, the weights it hands out and the file it writes; on
-    a CPU that is its device too, so it is not measured here.)"""
+    whole tensor at a time (docs/memory.md: what the other ways hold). (Rank 0's CPU holds the
+    whole model, the weights it hands out and the file it writes; on a CPU that is its device
+    too, so it is not measured here.)"""
     import nd
-    from pipeline import cut, placement
+    from pipeline import cut
     rank = 4
     as_torchrun(8)
     args = nd.parse_args(["--device=cpu", "--fp64", "--hidden=64", *MODEL])
-    built, meshes, make_mesh = [], [], nd.make_mesh  # its stage (gpipe: one a rank), its mesh
-    monkeypatch.setattr(nd, "make_mesh", lambda *a: meshes.append(make_mesh(*a)) or meshes[0])
+    built = []  # its stage (gpipe: one a rank)
 
     def stop(stage, *_, **__):
         built.append(stage)
@@ -126,16 +126,15 @@ def test_no_rank_holds_a_whole_stage_at_the_build_or_the_save(as_torchrun, fake_
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as build:
         with pytest.raises(Built):
             nd.train(args, rank, 8, torch.device("cpu"))
-    with torch.device("meta"):
-        model = SimpleModel.from_args(args).to(torch.float64)
     optimizers = [torch.optim.Adam(part.parameters()) for part in built]
     for optimizer in optimizers:  # as after a step: a count and two moments per parameter
         for p in optimizer.param_groups[0]["params"]:
             optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
                                   "exp_avg_sq": torch.zeros_like(p)}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as save:
-        nd.gather_full_state(model, built, placement(args, 2), meshes[0], optimizers,
-                             torch.device("cpu"))
+        nd.gather_full_state(args, list(zip(built, optimizers)))  # as nd.py's save calls it
+    with torch.device("meta"):
+        model = SimpleModel.from_args(args).to(torch.float64)
     stage = min(8 * sum(p.numel() for p in cut(model, i, 2).parameters()) for i in range(2))
     assert peak_bytes(build) < stage / 2 and peak_bytes(save) < stage, (
         peak_bytes(build), peak_bytes(save), stage)

@@ -315,6 +315,26 @@ def test_under_loss_parallelism_no_rank_holds_the_whole_logits(fake_group):
     assert isinstance(grad, DTensor) and grad.to_local().shape[0] == VOCAB // 4
 
 
+def test_evaluation_forwards_each_padded_batch_whole_and_counts_only_real_samples(
+        fake_world, monkeypatch):
+    """The 1,000 held-out samples over 3 TP groups of 2 (2D): 334 each, padded, 333 real in
+    groups 1 and 2; batches of 111 leave those a last batch of one padded duplicate. Each rank
+    forwards it (TP's all-reduces and FSDP's all-gathers wait for every rank) and counts none of
+    it, as fsdp.py does. Rank 4 (group 2) of a world whose collectives do nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import tp as tp_script
+    fake_world(6, rank=4)
+    mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp", "tp"))
+    model = tp_script.parallelize(SimpleModel(hidden=32, blocks=2, heads=4), mesh)
+    forwarded, counted = [], []
+    model.register_forward_pre_hook(lambda _, args: forwarded.append(len(args[0])))
+    monkeypatch.setattr(tp_script.dist, "all_reduce",
+                        lambda sums, op, group: counted.append(sums[1].item()))
+    tp_script.evaluate(model, common.make_dataset("val"), mesh, 3 * 111, torch.device("cpu"))
+    assert forwarded == [111, 111, 111, 1]
+    assert counted == [333 * SEQ_LEN]
+
+
 @pytest.mark.parametrize("world, flags, message", [
     (4, ["--tp=3"], "--tp 3 must divide the world size 4"),
     (3, ["--tp=3", "--heads=4"], "--tp 3 must divide --heads 4"),

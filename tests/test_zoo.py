@@ -23,8 +23,8 @@ from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS,
                       early_results, fp64, fp64_reference, launch, load_saved, logged_losses,
                       logged_norms, logged_step_losses, max_diff, ok, ranks_cmd,
                       refused_in_one_line, run_as_only_rank, run_in_process, summary_val_loss)
-from reference import reference_val_loss
-from test_amp import _scaled_backward
+from reference import reference_train, reference_val_loss
+from test_amp import CLIP, run_seeing_the_gradient_adam_gets
 from test_tp import TiedHead
 
 SEED = FP64_SEEDS[0]
@@ -40,20 +40,18 @@ MISTAKES = {
         "seed=args.seed, drop_last=True)",
         "seed=args.seed + rank, drop_last=True)")]),
     "no_sync around backward only": ("ddp.py", [(
-        "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
+        "            with ddp_model.no_sync() if micro < args.accum_steps - 1 else "
+        "contextlib.nullcontext():\n"
         "                with record_function(\"forward\"):\n"
-        "                    loss = loss_fn(ddp_model(x), y)\n",
-        "            with record_function(\"forward\"):\n"
-        "                loss = loss_fn(ddp_model(x), y)\n"), (
-        "                    # MoE: its balancing loss over every rank's routing, one device's "
-        "micro-batch\n"
+        "                    loss = loss_fn(ddp_model(x), y)\n"
         "                    loss = (loss + balance(model, args, dist.group.WORLD)) / "
-        "args.accum_steps\n"
-        "                with record_function(\"backward\"):\n",
+        "args.accum_steps\n",
+        "            with record_function(\"forward\"):\n"
+        "                loss = loss_fn(ddp_model(x), y)\n"
         "                loss = (loss + balance(model, args, dist.group.WORLD)) / "
         "args.accum_steps\n"
-        "            with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
-        "                with record_function(\"backward\"):\n")]),
+        "            with ddp_model.no_sync() if micro < args.accum_steps - 1 else "
+        "contextlib.nullcontext():\n")]),
     "mean of per-rank validation means": ("ddp.py", [(
         "            x, y = x[:real].to(device), y[:real].to(device)"
         "  # the padded duplicates: left out\n",
@@ -127,10 +125,10 @@ MISTAKES = {
         "pipe, scale_grads=True,",
         "pipe, scale_grads=False,")]),
     "clipping before unscale_": ("amp.py", [(
-        "    scaler.unscale_(optimizer)\n"
-        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n",
-        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float(\"inf\"))\n"
-        "    scaler.unscale_(optimizer)\n")]),
+        "            scaler.unscale_(optimizer)\n", ""), (
+        "                                                       args.clip or float(\"inf\"))\n",
+        "                                                       args.clip or float(\"inf\"))\n"
+        "            scaler.unscale_(optimizer)  # (mistake) after clipping\n")]),
     "FSDP clipped by the norm of the local shards": ("fsdp.py", [(
         "            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),\n"
         "                                                       args.clip or float(\"inf\"))\n",
@@ -439,20 +437,16 @@ def test_a_pipeline_with_scale_grads_false_misses_the_oracle(launched):
 
 
 def test_clipping_before_unscale_clips_the_scaled_gradient(tmp_path):
-    """amp.py's own unscale test, applied to the mistake: the norm measured is 65536 times the
-    true one, and the gradient the optimizer receives is 65536 times too small."""
-    module = imported(mutant("clipping before unscale_", tmp_path))
-    scale = 65536.0
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
-    model, optimizer = _scaled_backward(scaler)
-    true_norm = torch.linalg.vector_norm(
-        torch.cat([p.grad.flatten() / scale for p in model.parameters()]))
-    seen = []
-    optimizer.step = lambda: seen.append(
-        torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))
-    norm, _ = module.optimizer_step(model, optimizer, scaler, clip=1.0)
-    assert norm.item() == pytest.approx(scale * true_norm.item(), rel=1e-5)
-    assert seen[0].item() == pytest.approx(1.0 / scale, rel=1e-4)
+    """amp.py's own unscale test (tests/test_amp.py), applied to the mistake, one fp16 step at
+    the scaler's first scale, 65536: the norm measured and printed is 65536 times the true one
+    (fp32's, to fp16's rounding), and the gradient Adam receives is 65536 times too small."""
+    scale, norms = 65536.0, []
+    reference_train(**JOB, clip=CLIP, norms=norms)
+    out, _, seen = run_seeing_the_gradient_adam_gets(
+        imported(mutant("clipping before unscale_", tmp_path)),
+        ["--dtype=fp16", "--device=cpu", f"--clip={CLIP}", "--steps=1"], tmp_path)
+    assert logged_norms(out)[1] == pytest.approx(scale * norms[0], rel=0.01)
+    assert seen == pytest.approx([CLIP / scale], rel=1e-3)
 
 
 

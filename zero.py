@@ -1,0 +1,269 @@
+"""ZeRO-1: DDP with Adam's state sharded over the ranks (ZeroRedundancyOptimizer).
+
+What it teaches
+    ddp.py with one change, the optimizer. Adam keeps two moments per weight: with fp32 weights
+    and gradients that is half of the 16 bytes every DDP replica holds per weight.
+    ZeroRedundancyOptimizer gives each rank the moments of 1/N of the parameters: it steps only
+    those and then broadcasts them, so the weights end as plain DDP's and the memory per rank
+    falls from 16 to 8 + 8/N bytes per weight, for one broadcast of the weights per step. A
+    checkpoint gathers the shares on rank 0 first: a plain Adam state, which ddp.py and
+    single.py resume. The tests prove it equals one device in float64 to 1e-9.
+
+Why DDP stops there
+    Sharding more needs another communication pattern than DDP's: ZeRO-2 (gradients) replaces
+    the all-reduce with a reduce-scatter, ZeRO-3 (weights) gathers each layer before use. That
+    is FSDP: fsdp.py, whose --reshard-after-forward false is ZeRO-2's trade. docs/memory.md
+    measures the ladder.
+
+When to use it
+    DDP fits, but Adam's state crowds the device: ZeRO-1 frees 8 - 8/N bytes per weight on each
+    rank and keeps everything else of DDP (its all-reduce, its flags, its checkpoints).
+When not
+    The weights and gradients do not fit either: fsdp.py shards them too. Few ranks, or memory
+    to spare: ddp.py, without the broadcast (on 2 ranks ZeRO-1 saves a quarter of 16 bytes).
+
+Launch
+    python zero.py                          # starts its own workers: one per GPU, or 2 on a CPU
+    python zero.py --nproc 4 --device cpu   # 4 CPU workers on one machine
+    torchrun --nproc_per_node=2 zero.py     # what clusters use; the same flags as ddp.py
+    torchrun --nproc_per_node=2 zero.py --fp64 --save zero.pt   # single.py --fp64's, to 1e-9
+    torchrun --nproc_per_node=2 --max-restarts=3 zero.py --checkpoint ckpt.pt
+    Several machines: ddp.py's torchrun lines, with zero.py.
+    Smallest hardware: any laptop CPU (2 processes over gloo).
+
+What ZeRO-1 adds to DDP
+    diff ddp.py zero.py
+
+Docs
+    https://pytorch.org/docs/stable/distributed.optim.html
+    https://pytorch.org/tutorials/recipes/zero_redundancy_optimizer.html
+    https://arxiv.org/abs/1910.02054 (ZeRO)
+Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
+"""
+
+import contextlib
+import datetime
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
+from plumbing.model_check import check_model
+from plumbing.ranks import fail, launch, leave, rendezvous
+
+
+def parse_args(argv=None):
+    parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
+    args = parser.parse_args(argv)
+    check_shared_flags(parser, args)  # and their checks: one line that names the fix
+    launch_world(parser, args, own_gpus=False)  # torchrun's ranks, or --nproc started here
+    check_model(parser, args)  # and the model: what would train silently wrong, refused
+    return args
+
+
+def setup(args):
+    """Join the process group; return this process's rank, the world size and its device."""
+    rank = int(os.environ["RANK"])  # which shard of the data this process trains on
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on *this* machine it drives
+    world_size = int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK, not RANK, picks the GPU: on the second machine RANK starts at 8 and
+        # cuda:8 does not exist. Modulo the GPUs it sees: one shown only its own has cuda:0.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # Before init_process_group: else NCCL puts every rank's context on cuda:0.
+        torch.cuda.set_device(device)
+        # fp32 means fp32: TF32 off, so a GPU run matches the CPU to ~1e-6 (docs/traps.md#tf32).
+        torch.set_float32_matmul_precision("highest")
+    else:
+        device = torch.device("cpu")
+    # The launcher's store, and NCCL where each rank has a GPU of its own
+    store, backend = rendezvous(args, device, __file__, gloo_fallback=True)
+    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if backend == "nccl" else None)
+    print0(f"zero: {world_size} ranks | backend {backend} | device {device.type} | "
+           f"torch {torch.__version__}")
+    return rank, world_size, device
+
+
+def evaluate(model, dataset, rank, world_size, batch_size, device):
+    """The mean cross-entropy per token over the whole held-out set."""
+    model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
+    # --- DDP: each rank evaluates a shard, unwrapped (no DDP hook), then the sums add up ---
+    # Without drop_last, DistributedSampler pads the shards to one length with duplicates:
+    # a rank's real samples are its first len(range(rank, n, N)) (docs/traps.md#padding).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size // world_size, sampler=sampler)  # B/N each
+    real = len(range(rank, len(dataset), world_size))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
+    with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
+        for x, y in loader:
+            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            real -= len(x)
+            # Sums, divided once at the end: the mean of per-batch means would overweight a
+            # smaller last batch.
+            sums[0] += loss_fn(model(x), y, reduction="sum")
+            sums[1] += y.numel()
+    # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    # --- end ---
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+def train(args, rank, world_size, device):
+    """Train; return the model, the final loss and the final validation loss."""
+    # --fp64: in float64 a correct strategy ends within 1e-9 of one device, where fp32's
+    # rounding, amplified by Adam, can part them (docs/drift.md). Built in fp32, then cast.
+    dtype = torch.float64 if args.fp64 else torch.float32
+    seed_everything(args.seed)
+    model = SimpleModel.from_args(args).to(device, dtype)
+    # --compile and --activation-checkpointing, per block, before any wrapper
+    compile_and_checkpoint(model.blocks.values(), args)
+    # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
+    # (each 25 MB bucket as soon as backward has made it; each .grad a view into its bucket)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    # --- end ---
+    # --- ZeRO-1: each rank keeps and steps Adam's state for its share of the weights ---
+    # The parameters are dealt whole, greedily by size, ~1/N to each rank. step() updates this
+    # rank's share, then broadcasts it: every replica ends the step with plain DDP's weights.
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                        lr=args.lr)
+    # --- end ---
+    start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
+
+    dataset, val_set = make_dataset("train"), make_dataset("val")
+    # --- DDP: shard the data ---
+    # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
+    # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    micro_batch = args.batch_size // (world_size * args.accum_steps)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    # --- end ---
+    steps_per_epoch = len(loader) // args.accum_steps
+
+    meter = Meter(device)
+    profiler = Profiler(args.profile, rank, device)  # does nothing without --profile
+    final_loss = val_loss = float("nan")
+    for step in range(start_step, args.steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or step == start_step:
+            # Without set_epoch every epoch replays epoch 0's order (the seed never moves).
+            sampler.set_epoch(epoch)
+            # A resumed run skips the part of the epoch that was trained before the stop.
+            micro_batches = itertools.islice(loader, index * args.accum_steps, None)
+        loss_sum = torch.zeros((), device=device, dtype=dtype)
+        for micro in range(args.accum_steps):
+            x, y = next(micro_batches)
+            x, y = x.to(device), y.to(device)
+            # Divided by K so that K micro-batch gradients add up to the mean over the
+            # whole batch, not K times it (which would act like a K times larger lr).
+            # --- DDP: accumulate gradients without communicating ---
+            # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
+            # where DDP decides whether the coming backward syncs. The last one syncs the sum.
+            with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
+                with record_function("forward"):
+                    loss = loss_fn(ddp_model(x), y)
+                    loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
+                with record_function("backward"):
+                    loss.backward()
+            # --- end ---
+            loss_sum += loss.detach()
+        with record_function("optimizer step"):
+            # --clip: scale the whole gradient, as one vector, down to this norm if it is
+            # larger (0: never; the norm is still measured). Returns the norm before clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                       args.clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        samples_per_s = meter.step(args.batch_size)
+        profiler.step()
+
+        if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            # A collective: every rank reaches it, at steps that depend on the step only.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            final_loss = loss_sum.item()
+            print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(),
+                        samples_per_s))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            with meter.paused(), record_function("evaluation"):
+                val_loss = evaluate(model, val_set, rank, world_size, args.batch_size, device)
+            print0(eval_line(step + 1, args.steps, val_loss))
+        if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            # --- ZeRO-1: every rank sends its share of Adam's state to rank 0 (a collective) ---
+            optimizer.consolidate_state_dict(to=0)
+            if rank == 0:  # one writer: the replicas are identical; resumes on any world size
+                save_checkpoint(args, model, optimizer, step + 1)
+            # Then drop rank 0's gathered copy, every rank's moments in its CPU memory: nothing
+            # public frees it, and it would stay until the next checkpoint.
+            optimizer._all_state_dicts.clear()
+            # --- end ---
+    profiler.stop()
+    print0(meter.summary(final_loss, model, val_loss=val_loss,
+                         state_bytes=held_bytes(model, optimizer)))
+    return model, final_loss, val_loss
+
+
+def save_checkpoint(args, model, optimizer, step):
+    """Everything needed to continue exactly where this run is: the data position is a
+    function of (seed, step, global batch) only, so those three are all it needs besides the
+    weights and Adam's state."""
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 **train_state(args, step)}, args.checkpoint)
+    print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def load_checkpoint(args, model, optimizer):
+    """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
+    start from (0 without one). A bad one stops with one line and is left as it was."""
+    def refuse(why):
+        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    if not os.path.exists(args.checkpoint):
+        return 0
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
+    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    optimizer.state.clear()  # ZeRO-1: its load_state_dict keeps a copy of them that nothing reads
+    print0(f"resumed from {args.checkpoint} at step {state['step']}")
+    return state["step"]
+
+
+def run(args):
+    """What each process does: set up, train, save."""
+    rank, world_size, device = setup(args)
+    model, _, _ = train(args, rank, world_size, device)
+    if args.save and rank == 0:
+        # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
+    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launch(run, args)  # one rank under torchrun, else --nproc of them started here
+
+
+if __name__ == "__main__":
+    main()
