@@ -10,7 +10,8 @@ What it teaches
 
 When to use it
     Any training on a GPU with tensor cores (V100 and T4: fp16; A100/H100 and later: bf16, the
-    default where the GPU runs it natively). Often 2-3x faster and half the activation memory.
+    default where the GPU runs it natively): faster, and half the activation memory (how much
+    faster: not measured here, where no GPU timing has been taken).
     (V100 runs only torch's CUDA 12.6 wheels; PyPI's CUDA 13 ones start at T4: docs/gpu.md.)
 When not
     On a CPU it mostly shows the API: bf16 matmuls are rarely faster there. At tiny model sizes

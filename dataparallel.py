@@ -6,7 +6,7 @@ What it teaches
     one slice per GPU, runs the forward passes in threads, gathers the outputs on GPU 0, and
     backward sums the gradients back onto GPU 0's (the only real) copy of the weights.
     With global batch B it equals one device with batch B: the tests prove it in float64 to
-    1e-9 (on a CPU, where DataParallel is a pass-through; on GPUs not yet run).
+    1e-9 (on a CPU, where DataParallel is a pass-through, and on one GPU; two not yet run).
 
 When to use it
     A quick experiment on one machine, where one line of code is all you want to change.

@@ -279,7 +279,6 @@ def train(args, rank, world_size, device):
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"):
                 loss = loss_fn(model(x), y)
-                # MoE: its balancing loss over every rank's routing, one device's micro-batch
                 loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
             with record_function("backward"):
                 loss.backward()  # no wrapper: the gradients stay this rank's, summed below

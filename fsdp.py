@@ -47,10 +47,10 @@ Launch
 
 What is trusted
     A checkpoint is data: fsdp.py reads a sharded checkpoint folder through load_sharded
-    (plumbing/sharded.py), which unpickles its index only into DCP's own metadata classes and its values
-    only as weights_only data, so a damaged or hostile folder is refused in one line and runs
-    nothing. (torch's own dcp.load trusts the folder: it unpickles parts of it with plain
-    pickle.) --save files are plain state_dicts: load them with torch.load(weights_only=True).
+    (plumbing/sharded.py), which unpickles its index only into DCP's own metadata classes and
+    its values only as weights_only data, so a damaged or hostile folder is refused in one line
+    and runs nothing. (torch's own dcp.load trusts the folder: it unpickles parts of it with
+    plain pickle.) --save files are plain state_dicts: load them with torch.load(weights_only=True).
     The rendezvous store (torchrun's --rdzv-endpoint) has no authentication: trusted networks
     only. More in docs/traps.md#trust.
 
@@ -100,12 +100,9 @@ def parse_args(argv=None):
                           help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here
-    world_size = launch_world(parser, args)[0]
+    world_size = launch_world(parser, args)[0]  # torchrun's ranks, or --nproc started here
     if world_size % args.replicate:
         parser.error(f"--replicate {args.replicate} must divide the world size {world_size}")
-    if args.fp64 and args.mixed_precision != "off":
-        parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: drop one of them")
     check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
@@ -197,8 +194,7 @@ def train(args, rank, world_size, device):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh, reshard_after_forward=not keep, mp_policy=MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=dtype, output_dtype=dtype))
-    # Storage for this rank's shards only (uninitialized), on its device.
-    model.to_empty(device=device)
+    model.to_empty(device=device)  # storage for this rank's shards only (uninitialized)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
     # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).
     full = {}
@@ -207,10 +203,10 @@ def train(args, rank, world_size, device):
         full = SimpleModel.from_args(args).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
+    # --- end ---
     # After sharding, never before: it makes every parameter a DTensor, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
@@ -274,14 +270,14 @@ def train(args, rank, world_size, device):
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective
-                save_checkpoint(args, model, optimizer, rank, step + 1)
+                save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
 
-def save_checkpoint(args, model, optimizer, rank, step):
+def save_checkpoint(args, model, optimizer, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state. DCP writes each rank's shards and an index of them: any number
@@ -291,7 +287,7 @@ def save_checkpoint(args, model, optimizer, rank, step):
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
              checkpoint_id=os.path.join(args.checkpoint, name))
-    if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
+    if dist.get_rank() == 0:  # then the small rest, the same on every rank; `latest` switched
         commit_sharded(args.checkpoint, name, train_state(args, step))
 
 

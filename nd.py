@@ -70,7 +70,7 @@ from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_ever
 from plumbing.checkpoints import check_resumable, gather_full_state, save_atomic, train_state
 from plumbing.checkpoints import unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
-from plumbing.flags import shared_parser
+from plumbing.flags import check_tp, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
@@ -110,12 +110,7 @@ def check_mesh(parser, args, world_size, local_world):
     if world_size % (args.pp * args.tp):
         parser.error(f"--pp {args.pp} x --tp {args.tp} must divide the world size {world_size} "
                      f"(dp is the rest); use {args.pp * args.tp} ranks or a multiple")
-    if args.heads % args.tp:
-        parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
-                     f"whole heads); use --heads {args.heads * args.tp} or another --tp")
-    if local_world % args.tp:  # the mesh's last dimension: T consecutive ranks
-        parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would "
-                     f"span machines; use a --tp dividing {local_world}")
+    check_tp(parser, args, local_world)  # as tp.py: T divides the heads and a machine's ranks
     dp = world_size // (args.pp * args.tp)
     if args.batch_size % (dp * args.microbatches):
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} "

@@ -67,8 +67,9 @@ from torch.utils.data import DataLoader, RandomSampler
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, gather_full_state, optimizer_share
 from plumbing.checkpoints import save_atomic, train_state, unloadable
+from plumbing.compile import torch_older_than
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
-from plumbing.flags import shared_parser, torch_older_than
+from plumbing.flags import shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous

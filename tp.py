@@ -66,7 +66,6 @@ import contextlib
 import datetime
 import itertools
 import os
-from fnmatch import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -82,12 +81,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
-from plumbing.flags import grid, positive
+from plumbing.flags import check_tp, grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
-from plumbing.model_check import check_model
+from plumbing.model_check import check_cut, check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
 from plumbing.sharded import commit_sharded, latest_sharded, load_sharded
 
@@ -106,18 +105,7 @@ def parse_args(argv=None):
     # torchrun's ranks, or the --nproc workers started here
     world_size, local_world, _ = launch_world(parser, args, width=args.heads, data_parallel=False)
     grid(parser, args, "--tp", world_size)  # --tp: all ranks by default; W/T groups
-    if args.heads % args.tp:
-        parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
-                     f"whole heads); use --heads {args.heads * args.tp} or another --tp")
-    if args.sequence_parallel and SEQ_LEN % args.tp:
-        parser.error(f"--sequence-parallel: --tp {args.tp} must divide the sequence length "
-                     f"{SEQ_LEN} (each rank keeps an equal part of it); use a divisor of it")
-    if args.loss_parallel and VOCAB % args.tp:
-        parser.error(f"--loss-parallel: --tp {args.tp} must divide the vocabulary {VOCAB} (each "
-                     f"rank keeps the logits of an equal part of it); use a divisor of it")
-    if local_world % args.tp:  # a TP group is T consecutive ranks, numbered machine by machine
-        parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would span "
-                     f"machines (all-reduces on the network); use a --tp dividing {local_world}")
+    check_tp(parser, args, local_world)  # T divides what it cuts, and a machine's ranks
     check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
@@ -244,16 +232,7 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
         if held and not isinstance(held[0], DTensor):
             distribute_module(module, mesh["tp"], replicate_once, input_fn=replicated,
                               output_fn=lambda _, output, tp_mesh: output.to_local())
-    # The weight of every layer the plan cuts is cut, no tie split: checked, not assumed (keys
-    # matched as torch matches them: "*" stands for one name, not a dotted path).
-    cut = [p.placements[0].is_shard() for name, p in model.named_parameters() if any(
-        fnmatch(name, f"{key}.weight") and name.count(".") == key.count(".") + 1
-        for key, kind in model.tp_plan.items() if kind.endswith("wise"))]
-    why = ("cuts nothing" if not any(cut) else "leaves a layer it names whole" if not all(cut)
-           else "splits a tied weight in two" if len(list(model.parameters())) != tensors else None)
-    if why:
-        fail(f"tp.py: error: {type(model).__name__}'s tp_plan {why}: docs/course.md#putting-"
-             "your-own-model-in says what to write")
+    check_cut(model, tensors)  # every layer the plan cuts is cut, no tie split: checked
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard cuts the pieces over "dp" (1/(D*T) of a block per rank); the
@@ -281,8 +260,7 @@ def train(args, rank, world_size, device):
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
     parallelize(model, mesh, args.sequence_parallel, args.loss_parallel)
-    # Storage for this rank's shards only (uninitialized), on its device.
-    model.to_empty(device=device)
+    model.to_empty(device=device)  # storage for this rank's shards only (uninitialized)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
     # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).
     full = {}
@@ -291,10 +269,10 @@ def train(args, rank, world_size, device):
         full = SimpleModel.from_args(args).to(dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
+    # --- end ---
     # After sharding, never before: it makes every parameter a DTensor, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    # --- end ---
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     cut_logits = loss_parallel if args.loss_parallel else contextlib.nullcontext
@@ -365,7 +343,7 @@ def train(args, rank, world_size, device):
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             with meter.paused():  # every rank writes its own shards: a collective
-                save_checkpoint(args, model, optimizer, rank, step + 1)
+                save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
@@ -391,7 +369,7 @@ def sum_partial_grads(model):
             p.grad = DTensor.from_local(summed.view(p.shape), mesh, [Replicate()])
 
 
-def save_checkpoint(args, model, optimizer, rank, step):
+def save_checkpoint(args, model, optimizer, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state. DCP writes each rank's shards and an index of them: any number
@@ -401,7 +379,7 @@ def save_checkpoint(args, model, optimizer, rank, step):
     # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
     dcp.save({"model": model_state, "optimizer": optimizer_state},
              checkpoint_id=os.path.join(args.checkpoint, name))
-    if rank == 0:  # then the small rest, the same on every rank, and the switch of `latest`
+    if dist.get_rank() == 0:  # then the small rest, the same on every rank; `latest` switched
         commit_sharded(args.checkpoint, name, train_state(args, step))
 
 

@@ -32,7 +32,7 @@ SIZE = ["--hidden=384", "--blocks=4", "--heads=6", "--batch-size=8", "--steps=10
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 CONFIGS = {  # name: (script, flags, the bytes each rank sends per step in theory, psi units)
     "DDP": ("ddp.py", [], "2(N-1)/N: the gradient's all-reduce"),
-    "ZeRO-1": ("ddp.py", ["--zero1"],
+    "ZeRO-1": ("zero.py", [],
                "2(N-1)/N + (N-1)/N: the all-reduce, then every share broadcast by its owner"),
     "FSDP, reshard false": ("fsdp.py", ["--reshard-after-forward=false"],
                             "2(N-1)/N: one all-gather, one reduce-scatter"),

@@ -30,7 +30,7 @@ ROWS = {  # label: (ranks under torchrun, or None for `python script`; script; f
                                                              "--accum-steps=3"]),
     "DDP, 2 ranks": (2, "ddp.py", []),
     "DDP, 3 ranks x --accum-steps 3": (3, "ddp.py", ["--accum-steps=3"]),
-    "DDP --zero1, 4 ranks": (4, "ddp.py", ["--zero1"]),
+    "ZeRO-1, 4 ranks": (4, "zero.py", []),
     "FSDP, 2 ranks": (2, "fsdp.py", []),
     "FSDP, 3 ranks x --accum-steps 3": (3, "fsdp.py", ["--accum-steps=3"]),
     "HSDP 2x2, reshard false": (4, "fsdp.py", ["--replicate=2",

@@ -2,22 +2,22 @@
 
 Each script's parse_args starts from shared_parser, adds its technique's flags to its groups,
 and calls check_shared_flags; the scripts that run several ranks then call launch_world (and
-grid, for a grid of TP or CP groups). A bad flag is refused in one line that names the fix,
-before any process starts. compile_and_checkpoint applies --compile and
---activation-checkpointing at the one place in each script where their order matters.
+grid, for a grid of TP or CP groups, and check_tp, for TP's). A bad flag is refused in one line
+that names the fix, before any process starts (whether --compile can work here:
+plumbing/compile.py). compile_and_checkpoint applies --compile and --activation-checkpointing
+at the one place in each script where their order matters.
 """
 
 import argparse
 import functools
 import os
-import shutil
-import sysconfig
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import common
+from plumbing.compile import compile_problem
 from plumbing.ranks import machine_gpus, ranks
-
 
 
 def positive(kind):
@@ -35,49 +35,6 @@ def positive(kind):
         return value
 
     return parse
-
-
-
-def torch_older_than(major, minor):
-    """Whether this torch is older than major.minor."""
-    return tuple(int(v) for v in torch.__version__.split(".")[:2]) < (major, minor)
-
-
-
-def compile_problem(use_cuda, fp64=False):
-    """Why --compile cannot work on this machine, as a one-line error, or None if it can.
-
-    torch.compile fails late and at length (a compiler's traceback from inside the first
-    step, in every process) where it could be told at once what is missing.
-    """
-    try:  # on a Python it does not support, torch.compile says so at once
-        torch.compile(lambda: None)
-    except RuntimeError as e:
-        return f"--compile: {e}; use a Python that torch.compile supports, or drop --compile"
-    if not use_cuda:
-        if shutil.which(os.environ.get("CXX", "g++")) is None:
-            return ("--compile on the CPU: inductor compiles C++ and finds no compiler "
-                    "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
-        # Measured: 2.10 and 2.12 crash in the first backward ("expected scalar type Double
-        # but found Float" in the compiled causal attention's backward), 2.13 and 2.15 train.
-        if fp64 and torch_older_than(2, 13):
-            return (f"--compile with --fp64 on the CPU: torch {torch.__version__}'s compiled "
-                    "attention fails in backward in float64 (pytorch/pytorch#185539); use "
-                    "torch 2.13 or later, or drop one of the two flags")
-        return None
-    # On a GPU inductor writes Triton kernels, and Triton builds each kernel's launcher as a
-    # small C extension module: with $CC, else gcc, else clang, against Python.h.
-    if shutil.which(os.environ.get("CC", "")) is None and shutil.which("gcc") is None \
-            and shutil.which("clang") is None:
-        return ("--compile on a GPU: Triton builds its kernel launchers with a C compiler and "
-                "finds none ($CC, gcc or clang); install one (apt-get install gcc) or drop "
-                "--compile")
-    if not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
-        return ("--compile on a GPU: Triton builds its kernel launchers against Python's "
-                "headers and finds no Python.h; install them (apt-get install python3-dev) "
-                "or drop --compile")
-    return None
-
 
 
 def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True, replicas=False,
@@ -157,7 +114,6 @@ def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True, replica
     return parser
 
 
-
 def check_shared_flags(parser, args):
     """Refuse a bad shared flag in one line (parser.error: usage, the line, exit 2). Returns
     whether this run uses CUDA. A parser with replicas also gets `parser.ranks`: the model's
@@ -165,6 +121,8 @@ def check_shared_flags(parser, args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+    if args.fp64 and getattr(args, "mixed_precision", "off") != "off":  # fsdp.py's bf16
+        parser.error(f"--fp64 with --mixed-precision {args.mixed_precision}: drop one of them")
     if parser.replicas:  # DataParallel: a copy of the model per GPU, made again every step
         parser.ranks = torch.cuda.device_count() if use_cuda else 1  # the CPU: no copies at all
         if args.compile:  # torch.compile does not follow the copies (its docs recommend DDP)
@@ -200,7 +158,6 @@ def check_shared_flags(parser, args):
             parser.error(f"{flag} {path}: its folder does not exist or is not writable; "
                          "create it first")
     return use_cuda
-
 
 
 def launch_world(parser, args, width=None, own_gpus=True, data_parallel=True, stages=False):
@@ -240,7 +197,6 @@ def launch_world(parser, args, width=None, own_gpus=True, data_parallel=True, st
     return world_size, local_world, gpus
 
 
-
 def grid(parser, args, flag, world_size):
     """The ranks as a grid of groups of `flag`'s size (--tp, --cp: all ranks by default, stored
     back in args), refused in one line unless it divides the world size; the D = W/size groups
@@ -256,6 +212,23 @@ def grid(parser, args, flag, world_size):
     return world_size // size
 
 
+def check_tp(parser, args, local_world):
+    """TP's groups of --tp ranks (tp.py, nd.py), refused in one line unless T divides the
+    heads, the sequence (--sequence-parallel), the vocabulary (--loss-parallel) and the
+    `local_world` ranks of each machine."""
+    if args.heads % args.tp:
+        parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
+                     f"whole heads); use --heads {args.heads * args.tp} or another --tp")
+    if getattr(args, "sequence_parallel", False) and common.SEQ_LEN % args.tp:
+        parser.error(f"--sequence-parallel: --tp {args.tp} must divide the sequence length "
+                     f"{common.SEQ_LEN} (each rank keeps an equal part of it); use a divisor of it")
+    if getattr(args, "loss_parallel", False) and common.VOCAB % args.tp:
+        parser.error(f"--loss-parallel: --tp {args.tp} must divide the vocabulary {common.VOCAB} "
+                     "(each rank keeps the logits of an equal part of it); use a divisor of it")
+    if local_world % args.tp:  # a TP group is T consecutive ranks, numbered machine by machine
+        parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would span "
+                     f"machines (all-reduces on the network); use a --tp dividing {local_world}")
+
 
 def check_batch(parser, args, groups, name):
     """Refuse a --batch-size that `groups` data-parallel groups (each trains on its own shard
@@ -266,14 +239,12 @@ def check_batch(parser, args, groups, name):
                      f"use a multiple of {groups * args.accum_steps}")
 
 
-
 def most_workers(gpus, batch_size, accum_steps=1, width=None):
     """The default worker count: one per GPU (2 on a machine without), or fewer where that many
     would not divide the batch evenly (on 6 GPUs --batch-size 64 runs on 4, 16 samples each;
     --batch-size 96 would use all 6), nor `width` if given (what tensor parallelism cuts)."""
     return max((n for n in range(1, (gpus or 2) + 1) if batch_size % (n * accum_steps) == 0
                 and (width is None or width % n == 0)), default=1)
-
 
 
 def compile_and_checkpoint(blocks, args):

@@ -1,5 +1,6 @@
 """Your model, checked before any process starts: what would train differently from one device
-without an error is refused in one line (docs/course.md#putting-your-own-model-in)."""
+without an error is refused in one line (docs/course.md#putting-your-own-model-in); and, once
+tp.py has cut it, what its plan did checked against what the plan says (check_cut)."""
 
 import os
 from fnmatch import fnmatch
@@ -8,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import common
+from plumbing.ranks import fail
 
 
 def check_model(parser, args, ranks=None):
@@ -84,3 +86,18 @@ def check_model(parser, args, ranks=None):
             parser.error(f"--loss-parallel: {' and '.join(paths)} are one tensor (tied), and "
                          "loss parallelism would cut the head's over the vocabulary, the "
                          "other's left whole; drop --loss-parallel, or untie them")
+
+
+def check_cut(model, tensors):
+    """After tp.py's cut, stop in one line (fail) unless the weight of every layer the model's
+    tp_plan cuts is cut, something is, and the model still holds `tensors` tensors (its count
+    before the cut, a tied weight once): a tie made two copies would train them apart."""
+    # Keys matched as torch matches them: "*" stands for one name, not a dotted path.
+    cut = [p.placements[0].is_shard() for name, p in model.named_parameters() if any(
+        fnmatch(name, f"{key}.weight") and name.count(".") == key.count(".") + 1
+        for key, kind in model.tp_plan.items() if kind.endswith("wise"))]
+    why = ("cuts nothing" if not any(cut) else "leaves a layer it names whole" if not all(cut)
+           else "splits a tied weight in two" if len(list(model.parameters())) != tensors else None)
+    if why:
+        fail(f"tp.py: error: {type(model).__name__}'s tp_plan {why}: docs/course.md#putting-"
+             "your-own-model-in says what to write")

@@ -50,7 +50,8 @@ def test_every_section_a_page_links_to_exists(page):
     assert not missing, f"{page.name} links to missing sections: {missing}"
 
 
-SCRIPTS = ["single", "dataparallel", "ddp", "amp", "pipeline", "fsdp", "tp", "cp", "ep", "nd"]
+SCRIPTS = ["single", "dataparallel", "ddp", "zero", "amp", "pipeline", "fsdp", "tp", "cp", "ep",
+           "nd"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,6 +113,8 @@ DIFF_LIMITS = {
     # the process group, the sampler and set_epoch, the wrapper, no_sync, the exact
     # evaluation, the all-reduced loss, the rank-0 save, the launcher: 110
     ("single", "ddp"): 110,
+    # the sharded optimizer, its consolidation for a one-device checkpoint: 30
+    ("ddp", "zero"): 30,
     # meta device, fully_shard and its order, rank-0 init, the optimizer after it, DCP; HSDP,
     # --reshard-after-forward and bf16, which are fully_shard's own arguments: 150
     ("ddp", "fsdp"): 150,

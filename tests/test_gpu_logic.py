@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import common
 import plumbing.checkpoints
+import plumbing.compile
 import plumbing.diagnostics
 import plumbing.flags
 import plumbing.meter
@@ -367,7 +368,7 @@ def test_compile_on_a_gpu_without_what_triton_builds_with_is_refused_in_one_line
     fake_gpus(1)
     monkeypatch.delenv("CC", raising=False)
     if missing == "compiler":
-        monkeypatch.setattr(plumbing.flags.shutil, "which", lambda name: None)
+        monkeypatch.setattr(plumbing.compile.shutil, "which", lambda name: None)
     else:
-        monkeypatch.setattr(plumbing.flags.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+        monkeypatch.setattr(plumbing.compile.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     refused_in_one_line("single", ["--device=cuda", "--compile"], says, capsys)

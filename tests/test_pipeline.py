@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from plumbing.flags import torch_older_than
+from plumbing.compile import torch_older_than
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS,
                       JOB, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,

@@ -3,7 +3,7 @@ weights, the same exact validation loss, and a checkpoint that resumes to the un
 
 import pytest
 
-from plumbing.flags import compile_problem
+from plumbing.compile import compile_problem
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, load_saved,

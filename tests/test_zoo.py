@@ -114,8 +114,7 @@ MISTAKES = {
         "shuffle=True,")]),
     "optimizer built before fully_shard": ("fsdp.py", [(
         "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
-        "    # --- end ---\n",
-        "    # --- end ---\n"), (
+        "    start_step", "    start_step"), (
         "    for block in model.blocks.values():\n"
         "        fully_shard(block, mesh=mesh, mp_policy=mp_policy,",
         "    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)\n"
@@ -187,6 +186,7 @@ MISTAKES = {
     "TP: a tied weight made a DTensor module by module": ("tp.py", [(
         "distribute_module(module, mesh[\"tp\"], replicate_once, input_fn=replicated,",
         "distribute_module(module, mesh[\"tp\"], input_fn=replicated,"), (
+        "plumbing/model_check.py",
         "           else \"splits a tied weight in two\" if len(list(model.parameters())) != tensors "
         "else None)\n",
         "           else None)  # (the count of tensors left unchecked)\n")]),
@@ -236,6 +236,7 @@ def mutant(name, folder):
     texts.setdefault(script, (REPO / script).read_text())  # the script, with common.py's edits
     folder.mkdir(parents=True, exist_ok=True)
     for file, text in texts.items():  # a copied common.py is the one the copy imports
+        (folder / file).parent.mkdir(exist_ok=True)
         (folder / file).write_text(text)
     return folder / script
 
@@ -386,10 +387,15 @@ def test_a_tied_weight_made_a_dtensor_module_by_module_trains_two_copies(tmp_pat
                                                                         monkeypatch):
     """torch's distribute_module makes each module's parameters DTensors of their own: a head
     tied to its embedding becomes two parameters, each stepping on its own gradient. It trains,
-    and ends away from one device, the saved head no longer the embedding. (tp.py's count of
-    its tensors refuses it in one line: tests/test_tp.py; here that check is gone too.)"""
+    and ends away from one device, the saved head no longer the embedding. (The count of its
+    tensors after tp.py's cut, plumbing/model_check.py's check_cut, refuses it in one line:
+    tests/test_tp.py; here that check is gone too.)"""
     import single
-    module = imported(mutant("TP: a tied weight made a DTensor module by module", tmp_path))
+    path = mutant("TP: a tied weight made a DTensor module by module", tmp_path)
+    module = imported(path)
+    # The copy imports the real plumbing/: it is handed the copied check, with the mistake
+    checks = imported(path.parent / "plumbing" / "model_check.py")
+    monkeypatch.setattr(module, "check_cut", checks.check_cut)
     for script in (common, single, module):  # the user's line at the end of common.py
         monkeypatch.setattr(script, "SimpleModel", TiedHead)
     flags = [*fp64(SEED, steps=4), f"--heads={HEADS}"]
