@@ -10,6 +10,7 @@ fail ends a process with one line; leave ends a clean run's process group.
 
 import datetime
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -193,10 +194,15 @@ def launch(run, args):
     # picks and this process holds, so nothing can take it before the workers connect (a port
     # only found free, then bound by rank 0 seconds later, can be: "address already in use").
     store = tcp_store("127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False)
-    # mp.spawn passes each worker its index, waits for all, and if one fails it terminates
-    # the others and raises here.
+    # start_processes passes each worker its index, waits for all, and if one fails it
+    # terminates the others and raises here. Each worker is a new process (never a fork of this
+    # one, which may hold threads): "forkserver" forks them from a fresh server that has
+    # imported torch once, where "spawn" (Windows has nothing else) imports it in every worker.
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
     try:
-        mp.spawn(spawned, args=(run, args, store.port), nprocs=args.nproc)
+        mp.start_processes(spawned, args=(run, args, store.port), nprocs=args.nproc,
+                           start_method=method)
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         # A worker that stopped with a message of its own (a bad --checkpoint, say) has
         # printed it already and exited 1: end with its exit status, not with spawn's

@@ -655,19 +655,22 @@ def logged_val_losses(stdout):
 
 
 def worker_pids(launcher_pid, script):
-    """PIDs of the workers a launcher started: torchrun's run `script`, mp.spawn's spawn_main."""
-    pids = []
+    """PIDs of the workers a launcher started: torchrun's run `script`; `python X.py`'s are
+    forked by its forkserver (a child of the launcher), or are spawn's spawn_main."""
+    processes = []  # (pid, parent's pid, command line)
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
+                processes.append((int(entry), ppid, f.read()))
         except OSError:  # the process ended while we looked
             continue
-        if ppid == launcher_pid and (script.encode() in cmdline or b"spawn_main" in cmdline):
-            pids.append(int(entry))
-    return sorted(pids)
+    servers = {pid for pid, ppid, cmdline in processes
+               if ppid == launcher_pid and b"forkserver" in cmdline}
+    return sorted(pid for pid, ppid, cmdline in processes
+                  if ppid in servers or ppid == launcher_pid
+                  and (script.encode() in cmdline or b"spawn_main" in cmdline))
 
 
 def launch_and_kill_a_worker(*cmd, script, when, timeout=90):
