@@ -50,8 +50,8 @@ from plumbing.ranks import fail
 
 
 def parse_args(argv=None):
-    # replicas: a copy of the model per GPU, so --compile is refused, and on 2 or more GPUs
-    # --activation-checkpointing (plumbing/flags.py says why)
+    # replicas: a copy of the model per GPU, made again every step, which --compile does not
+    # follow, and whose checkpointed forwards would run GPU 0's weights: both refused
     parser = shared_parser(__doc__, moe=False, replicas=True)  # the shared flags (docs/usage.md)
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix

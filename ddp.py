@@ -248,7 +248,7 @@ def run(args):
     if args.save and rank == 0:
         # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
-    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
+    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

@@ -359,7 +359,7 @@ def run(args):
     weights = gather_full_state(args, [(model, None)])[0] if args.save else None  # a collective
     if args.save and rank == 0:
         save_atomic(weights, args.save)  # CPU tensors: loads anywhere
-    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
+    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

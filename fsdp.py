@@ -323,7 +323,7 @@ def run(args):
                                                                        cpu_offload=True))
         if rank == 0:
             save_atomic(weights, args.save)
-    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
+    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

@@ -430,7 +430,7 @@ def run(args):
     if args.save and rank == 0:
         # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
         save_atomic(weights, args.save)  # CPU tensors: loads anywhere
-    leave()  # destroy_process_group(), on a clean exit only (why: plumbing/ranks.py)
+    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

@@ -16,7 +16,8 @@ def check_model(parser, args, ranks=None):
     """Refuse (parser.error) a model this run would train silently differently from one
     device, after the model's own checks of its flags (from_args) and the dataset's size:
     BatchNorm where ranks (`ranks`: by default this run's, or DataParallel's replicas,
-    parser.ranks) or micro-batches each see a part of the batch; a tied weight in a pipeline
+    parser.ranks) or micro-batches each see a part of the batch, Dropout there too; --experts
+    for a model without a mixture; a tied weight in a pipeline
     (--microbatches), whose stages would each train a copy; and with --tp (tp.py, nd.py) a
     tp_plan that names a module the model lacks, an unknown kind, cuts nothing, or cuts a tied
     head over the vocabulary (--loss-parallel)."""
@@ -42,6 +43,14 @@ def check_model(parser, args, ranks=None):
                          "statistics of the samples it sees, and here ranks or micro-batches "
                          "each see a part of the batch; use nn.GroupNorm or nn.LayerNorm (or, on "
                          "GPUs without micro-batches, nn.SyncBatchNorm.convert_sync_batchnorm)")
+        # Dropout's masks are each process's (and each micro-batch's) own draws
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p and ranks * micro > 1:
+            parser.error(f"{name}.{path} is a {type(module).__name__}(p={module.p}): each rank "
+                         "and micro-batch draws its own masks, so the run cannot equal one "
+                         "device's; set p=0 to prove it (docs/course.md#putting-your-own-model-in)")
+    if args.experts and not hasattr(model, "routed"):  # balance() reads the mixture's routing
+        parser.error(f"--experts {args.experts}: {name} has no mixture of experts (no routed()); "
+                     "drop --experts")
     holders = {}  # a parameter's names: two or more where it is tied
     for path, p in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(p), []).append(path)

@@ -119,6 +119,12 @@ class WithBatchNorm(user_model.SimpleModel):
         self.norm = nn.BatchNorm1d(32)
 
 
+class WithDropout(user_model.SimpleModel):  # a GPT-2 of Hugging Face's: p=0.1 by default
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drop = nn.Dropout(0.1)
+
+
 class WithSyncBatchNorm(WithBatchNorm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -137,6 +143,8 @@ class WithSyncBatchNorm(WithBatchNorm):
     ("fsdp", WithBatchNorm, 2, [], "use nn.GroupNorm or nn.LayerNorm"),
     ("single", WithBatchNorm, 1, ["--accum-steps=2"], "WithBatchNorm.norm is a BatchNorm1d"),
     ("ddp", WithSyncBatchNorm, 1, ["--accum-steps=2"], "WithSyncBatchNorm.norm is a SyncBatchNorm"),
+    ("ddp", WithDropout, 2, [], "WithDropout.drop is a Dropout(p=0.1): each rank"),
+    ("single", user_model.SimpleModel, 1, ["--experts=4"], "SimpleModel has no mixture of experts"),
 ])
 def test_what_a_script_would_train_silently_wrong_is_refused_in_one_line(
         script, model, world, flags, message, as_torchrun, monkeypatch, capsys):
@@ -147,6 +155,7 @@ def test_what_a_script_would_train_silently_wrong_is_refused_in_one_line(
 
 @pytest.mark.parametrize("script, model, flags", [
     ("single", WithBatchNorm, []),  # one process, the whole batch: BatchNorm is one device's
+    ("single", WithDropout, []),  # one process, one draw per step: one device's
     ("ddp", WithSyncBatchNorm, []),  # synced over the ranks, no micro-batches
     ("tp", gpt_like.SimpleModel, [*GPT, "--sequence-parallel"]),  # a tie TP keeps
 ])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOB, REPO, early_results, free_port, load_saved, max_diff
+from conftest import JOB, REPO, free_port, load_saved, max_diff
 from reference import reference_train
 from conftest import FP64_TOL
 
@@ -122,39 +122,11 @@ class Cluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def early_launches(folder):  # started when the tests are collected (conftest.py)
-    """The cluster and its three jobs, from a thread of this process, at once: they mostly
-    wait (for Slurm's scheduler, for a requeue), beside the other tests, not before them."""
-    return ([] if missing else [lambda: run_jobs(folder)]), None
-
-
-def run_jobs(folder):
-    """{scenario's name: what it returned, or the exception it raised}, each run on one
-    cluster in turn."""
-    outcomes, cluster = {}, Cluster()
-    try:
-        for scenario in SCENARIOS:
-            (folder / scenario.__name__).mkdir()
-            try:
-                outcomes[scenario.__name__] = scenario(cluster, folder / scenario.__name__)
-            except BaseException as e:  # an assert, or pytest.fail: the test raises it again
-                outcomes[scenario.__name__] = e
-    finally:
-        cluster.stop()
-    return outcomes
-
-
-def outcome(scenario):
-    """What the scenario's run returned; its exception, with its traceback, raised here."""
-    global OUTCOMES
-    if OUTCOMES is None:
-        OUTCOMES = early_results(__name__)[1][0]
-    if isinstance(OUTCOMES[scenario.__name__], BaseException):
-        raise OUTCOMES[scenario.__name__]
-    return OUTCOMES[scenario.__name__]
-
-
-OUTCOMES = None
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    yield c
+    c.stop()
 
 
 def processes_with(text):
@@ -170,7 +142,8 @@ def processes_with(text):
     return pids
 
 
-def requeued(cluster, tmp_path):
+def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device_weights(
+        cluster, tmp_path):
     long = dict(JOB, steps=80, batch_size=60)
     flags = [*(f"--{k.replace('_', '-')}={v}" for k, v in long.items()), "--device=cpu",
              "--fp64"]
@@ -192,10 +165,13 @@ def requeued(cluster, tmp_path):
     assert fields["Restarts"] == "1" and fields["NumNodes"] == "2", fields
     assert "ddp: 2 ranks" in log  # 2 nodes x 1 worker (NPROC_PER_NODE=1), met at the first
     assert "resumed from" in log and "(restart 1)" in log
-    return long, load_saved(tmp_path / "w.pt")
+    # 80 steps, past fp32's horizon: in float64 the requeued job is one device's uninterrupted
+    # run (as test_ddp_failures.py's SIGKILL test).
+    _, expected, _ = reference_train(**long, fp64=True)
+    assert max_diff(load_saved(tmp_path / "w.pt"), expected) < FP64_TOL
 
 
-def failing(cluster, tmp_path):
+def test_job_whose_rank_fails_ends_failed_not_hung(cluster, tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"garbage")
     job = cluster.submit("--steps=2", f"--checkpoint={bad}")
@@ -204,7 +180,7 @@ def failing(cluster, tmp_path):
     assert f"--checkpoint {bad}: cannot be read" in cluster.log(job)
 
 
-def cancelled(cluster, tmp_path):
+def test_scancel_leaves_no_process_behind(cluster, tmp_path):
     marker = str(tmp_path / "never.pt")  # a word only this job's command lines contain
     job = cluster.submit("--steps=100000", f"--save={marker}")
     deadline = time.monotonic() + 60
@@ -218,22 +194,3 @@ def cancelled(cluster, tmp_path):
     while processes_with(marker):
         assert time.monotonic() < deadline, f"left behind: {processes_with(marker)}"
         time.sleep(0.2)
-
-
-SCENARIOS = [requeued, failing, cancelled]
-
-
-def test_two_node_job_requeued_mid_run_resumes_and_completes_with_the_one_device_weights():
-    long, weights = outcome(requeued)
-    # 80 steps, past fp32's horizon: in float64 the requeued job is one device's uninterrupted
-    # run (as test_ddp_failures.py's SIGKILL test).
-    _, expected, _ = reference_train(**long, fp64=True)
-    assert max_diff(weights, expected) < FP64_TOL
-
-
-def test_job_whose_rank_fails_ends_failed_not_hung():
-    outcome(failing)
-
-
-def test_scancel_leaves_no_process_behind():
-    outcome(cancelled)
