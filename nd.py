@@ -2,7 +2,7 @@
 
 What it teaches
     A large job uses several techniques at once, each where its communication fits: TP inside
-    a machine (four activation all-reduces per block, on the fastest links), pipeline stages
+    a machine (two activation all-reduces per block each way, on the fastest links), stages
     across machines (only the activations at the cuts travel), and FSDP over the rest (one
     all-gather and one reduce-scatter per block, overlapped). Here the W ranks form one
     DeviceMesh of shape (pp, dp, tp), named, built once from --pp P and --tp T (dp = W/(P T)):
@@ -36,7 +36,8 @@ Launch
     # 2 machines of 8 GPUs: TP inside each machine, the pipeline across them
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         nd.py --pp 2 --tp 8 --heads 8
-    Smallest hardware: any CPU (8 processes over gloo share its cores). On GPUs: NCCL, one
+    Smallest hardware: any CPU (4 processes over gloo share its cores, 8 for all three
+    dimensions). On GPUs (nd.py has not run on one yet): NCCL, one
     GPU per rank, every TP group inside one machine (the mesh's last dimension).
 
 What is added to the pipeline
@@ -153,7 +154,7 @@ def make_mesh(args, world_size, device):
     # --- N-D: one mesh; its last dimension's ranks are consecutive, on one machine ---
     # Row-major: a TP group is T consecutive ranks, which torchrun puts on one machine; a
     # pipeline's stages are dp x tp ranks apart, across machines. The other order, tp first,
-    # would put TP's all-reduces, four per block each way, on the network.
+    # would put TP's all-reduces, two per block each way, on the network.
     dp = world_size // (args.pp * args.tp)
     mesh = init_device_mesh(device.type, (args.pp, dp, args.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
