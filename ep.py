@@ -307,7 +307,8 @@ def train(args, rank, world_size, device):
                 val_loss = evaluate(model, val_set, rank, world_size, args.batch_size, device)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            save_checkpoint(args, model, optimizer, step + 1)  # every rank: rank 0 gathers, writes
+            with meter.paused():  # every rank: rank 0 gathers, then writes
+                save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))

@@ -80,7 +80,7 @@ from tp import parallelize  # TP's plan, then fully_shard over "dp": tp.py's 2D,
 
 
 def parse_args(argv=None):
-    parser = shared_parser(__doc__, accum=False, sharded=True, ranks=True, moe=False,
+    parser = shared_parser(__doc__, accum=False, ranks=True, moe=False,
                            nproc_help="workers to start without torchrun (default: --pp x --tp)")
     hardware, pipe = parser.groups["hardware"], parser.add_argument_group("pipeline")
     hardware.add_argument("--pp", type=positive(int), default=2, help="pipeline ranks")

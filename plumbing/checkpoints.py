@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 import common
 
 
-
 def to_cpu(obj):
     """A copy of `obj` (tensors, possibly inside dicts, lists and tuples) with every tensor on
     the CPU. A file of CUDA tensors does not load on a machine without a GPU unless the reader
@@ -28,7 +27,6 @@ def to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)
     return obj
-
 
 
 def save_atomic(obj, path):
@@ -53,7 +51,6 @@ def save_atomic(obj, path):
         raise
 
 
-
 def unloadable(error):
     """Why a checkpoint's model weights did not load (the exception torch.load or
     load_state_dict raised), and what to do, for the one-line refusal."""
@@ -68,13 +65,11 @@ def unloadable(error):
     return f"cannot be read ({type(error).__name__}); move it away or point elsewhere"
 
 
-
 def one_device(args, dtype=torch.float32):
     """The model one device trains with these flags, on "meta": every name and shape, in one
     device's order, and no storage."""
     with torch.device("meta"):
         return common.SimpleModel.from_args(args).to(dtype)
-
 
 
 def optimizer_share(full_state, args, held):
@@ -88,7 +83,6 @@ def optimizer_share(full_state, args, held):
     group = dict(full_state["param_groups"][0], params=list(range(len(held))))
     return {"state": {i: full_state["state"][index[name]] for i, name in enumerate(held)},
             "param_groups": [group]}
-
 
 
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # Adam's state per parameter: a count, two moments
@@ -150,7 +144,6 @@ def gather_full_state(args, parts):
     return weights, {"state": adam, "param_groups": [group]}
 
 
-
 def train_state(args, step):
     """What a checkpoint holds besides the weights and the optimizer's state, for
     check_resumable: the step, and what the data order and the model depend on (the data
@@ -158,7 +151,6 @@ def train_state(args, step):
     return {"step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
             "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads,
             "experts": args.experts, "top_k": args.top_k}
-
 
 
 def check_resumable(saved, args, refuse):

@@ -27,8 +27,8 @@ def compile_problem(use_cuda, fp64=False):
         if shutil.which(os.environ.get("CXX", "g++")) is None:
             return ("--compile on the CPU: inductor compiles C++ and finds no compiler "
                     "(g++, or $CXX); install one (apt-get install g++) or drop --compile")
-        # Measured: 2.10 and 2.12 crash in the first backward ("expected scalar type Double
-        # but found Float" in the compiled causal attention's backward), 2.13 and 2.15 train.
+        # Before 2.13 the compiled causal attention's backward fails in float64 ("expected
+        # scalar type Double but found Float"; docs/torch-versions.md says which versions).
         if fp64 and torch_older_than(2, 13):
             return (f"--compile with --fp64 on the CPU: torch {torch.__version__}'s compiled "
                     "attention fails in backward in float64 (pytorch/pytorch#185539); use "

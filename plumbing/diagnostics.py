@@ -19,7 +19,6 @@ from plumbing.meter import print0
 from plumbing.ranks import gpu_sharers, rendezvous_store
 
 
-
 def environment_report():
     """Versions, GPUs, peer access, process-group backends, and the launch command that fits."""
     lines = [f"torch {torch.__version__} | python {sys.version.split()[0]} | "
@@ -53,7 +52,6 @@ def environment_report():
                  f"{f'; {nproc} of {gpus} GPUs divide --batch-size 64' if nproc < gpus else ''})"
                  f"; check first: torchrun --nproc_per_node={nproc} -m plumbing.diagnostics")
     return "\n".join(lines)
-
 
 
 def communication_check(device="auto", timeout_s=60, sizes=tuple(4**k for k in range(7, 13)),
@@ -104,7 +102,8 @@ def communication_check(device="auto", timeout_s=60, sizes=tuple(4**k for k in r
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="diagnostics (see the comment above)")
+    parser = argparse.ArgumentParser(
+        description="what this machine has; under torchrun, whether its ranks can talk")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
                         help="under torchrun: cpu checks gloo on the CPU even where GPUs are")
     args = parser.parse_args()

@@ -48,7 +48,7 @@ def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True, replica
     the model onto every GPU at every step (DataParallel, dataparallel.py): check_shared_flags
     refuses what cannot follow the copies, and check_model counts them as ranks."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.sharded, parser.moe, parser.replicas = sharded, moe, replicas
+    parser.moe, parser.replicas = moe, replicas
     groups = parser.groups = {title: parser.add_argument_group(title)
                               for title in ("training", "model", "hardware", "output")}
     train = groups["training"]
@@ -253,10 +253,9 @@ def compile_and_checkpoint(blocks, args):
     prefix, no checkpoint wrapper's): checkpoints and --save files load with or without them."""
     for block in blocks:
         if args.compile:
-            # The block's forward, compiled (inductor). Before checkpointing wraps it
-            # (measured: 1 graph either way round, but 0 when the whole module is compiled
-            # after its forward was patched: docs/compile.md). Inside, backward's recomputation
-            # runs the compiled code again. The first step pays the compile time (the
+            # The block's forward, compiled (inductor). Before checkpointing wraps it (the
+            # order, and why not the whole module: docs/compile.md). Inside, backward's
+            # recomputation runs the compiled code again. The first step pays the compile time (the
             # summary's "first step").
             block.forward = torch.compile(block.forward)
         if args.activation_checkpointing:

@@ -15,12 +15,10 @@ except ImportError:  # Windows
     resource = None
 
 
-
 def print0(*args):
     """print on rank 0 only (or always, in a single process)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
-
 
 
 def held_bytes(model, optimizer):
@@ -39,7 +37,6 @@ def held_bytes(model, optimizer):
     return 2 * weights + moments
 
 
-
 def peak_rss():
     """This process's peak resident memory (Python and torch included), as the summary prints
     it: ru_maxrss counts KiB on Linux and bytes on macOS; Windows has no `resource` module."""
@@ -47,7 +44,6 @@ def peak_rss():
         return "n/a (RSS: not measured on Windows)"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return f"{peak / (2**20 if sys.platform == 'darwin' else 2**10):.1f} MiB (RSS)"
-
 
 
 class Meter:
@@ -144,7 +140,6 @@ class Meter:
         return line
 
 
-
 class Profiler:
     """torch.profiler over a few steps after warm-up, one Chrome trace per rank.
 
@@ -187,13 +182,11 @@ class Profiler:
             self.prof.stop()
 
 
-
 def log_line(step, steps, loss, grad_norm, samples_per_s):
     """The per-step line every script prints, so their logs can be compared side by side.
     grad_norm: the whole gradient's norm, before --clip (7 significant digits)."""
     return (f"step {step:5d}/{steps} | loss {loss:.6f} | grad norm {grad_norm:.6e} | "
             f"{samples_per_s:10.1f} samples/s")
-
 
 
 def eval_line(step, steps, val_loss):

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-
 def machine_gpus():
     """How many GPUs this process sees. torchrun and the scripts' own workers (`python ddp.py`)
     show every worker all of the machine's: then it is the machine's count, local rank r drives
@@ -30,7 +29,6 @@ def machine_gpus():
     per rank), or the one GPU every task of the node sees too. A count cannot tell those apart;
     the GPUs' identities can, once the ranks meet (gpu_sharers, in every setup())."""
     return torch.cuda.device_count()
-
 
 
 def gpu_sharers(store, device):
@@ -43,14 +41,12 @@ def gpu_sharers(store, device):
                    str(torch.cuda.get_device_properties(device).uuid))
 
 
-
 def sharing(store, local_rank, local_world, uuid):
     """gpu_sharers, given what it reads: the local ranks whose GPU has this `uuid`.
     Waits (up to the store's timeout) until every rank of the machine has published its own."""
     machine = dist.PrefixStore(f"gpu_of_local_rank/{socket.gethostname()}", store)
     machine.set(str(local_rank), uuid)
     return sum(machine.get(str(r)).decode() == uuid for r in range(local_world))
-
 
 
 def ranks(args, default, gpus, to_use_all):
@@ -67,7 +63,6 @@ def ranks(args, default, gpus, to_use_all):
             print(f"{os.path.basename(sys.argv[0])}: {args.nproc} of {gpus} GPUs, "
                   f"{to_use_all}", flush=True)
     return args.nproc, args.nproc
-
 
 
 def rendezvous(args, device, script, who="ranks", gloo_fallback=False):
@@ -97,7 +92,6 @@ def rendezvous(args, device, script, who="ranks", gloo_fallback=False):
     return store, backend
 
 
-
 def rendezvous_store(rank, world_size, timeout_s):
     """The store the ranks meet in, for setup() to compare GPUs in and init_process_group to
     use. The launcher's (torchrun's agent, or launch() below), with keys of their own for every
@@ -112,7 +106,6 @@ def rendezvous_store(rank, world_size, timeout_s):
                             tcp_store(*address, world_size, is_master=False, timeout=timeout))
 
 
-
 def tcp_store(*args, **kwargs):
     """dist.TCPStore on every platform. Its default server since torch 2.4 is libuv, which
     PyTorch's Windows wheels have been built without: asked for it there, the store fails
@@ -120,7 +113,6 @@ def tcp_store(*args, **kwargs):
     #139990; torchrun on Windows needs USE_LIBUV=0 for the same reason). So TCPStore's older
     server on Windows; elsewhere, libuv."""
     return dist.TCPStore(*args, use_libuv=sys.platform != "win32", **kwargs)
-
 
 
 def leave():
@@ -136,12 +128,11 @@ def leave():
         time.sleep(0.2)
 
 
-
 def spawned(local_rank, run, args, port):
     """Entry point of a worker the script started itself: set the rank's environment torchrun
     would set, then run(args). One difference: its thread count (below)."""
-    # Without a limit, N workers each start one thread per core and fight over the cores
-    # (2-3x slower on a laptop CPU). torchrun sets OMP_NUM_THREADS=1 unless you set it, which
+    # Without a limit, N workers each start one thread per core and fight over the cores,
+    # slower than fewer threads each. torchrun sets OMP_NUM_THREADS=1 unless you set it, which
     # leaves cores idle where the workers are fewer than the cores; here each worker gets an
     # equal share of them instead (cores // N: 1 each on 2 cores, 4 each for 2 workers on 8).
     # Your own OMP_NUM_THREADS wins, as it does under torchrun.
@@ -155,11 +146,9 @@ def spawned(local_rank, run, args, port):
     as_rank(run, args)
 
 
-
 # How gloo says that a collective's peer is gone or never came (NCCL's errors are DistErrors).
 PEER_LOST = ("Timed out waiting", "Application timeout", "Connection closed by peer",
              "Connection reset by peer")
-
 
 
 def as_rank(run, args):
@@ -180,7 +169,6 @@ def as_rank(run, args):
              leave_group=False)
 
 
-
 def launch(run, args):
     """run(args) in this process if a launcher made it a rank; else in args.nproc workers on
     this machine, started here, with one exit status for all of them."""
@@ -196,10 +184,11 @@ def launch(run, args):
     store = tcp_store("127.0.0.1", 0, args.nproc, is_master=True, wait_for_workers=False)
     # start_processes passes each worker its index, waits for all, and if one fails it
     # terminates the others and raises here. Each worker is a new process (never a fork of this
-    # one, which may hold threads): "forkserver" forks them from a fresh server that has
-    # imported torch once, where "spawn" (Windows has nothing else) imports it in every worker.
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+    # one, which may hold threads): on Linux "forkserver" forks them from a fresh server that
+    # has imported torch once; elsewhere "spawn" (Python's default there) imports it in each.
+    method = "forkserver" if sys.platform == "linux" else "spawn"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
     try:
         mp.start_processes(spawned, args=(run, args, store.port), nprocs=args.nproc,
                            start_method=method)
@@ -211,7 +200,6 @@ def launch(run, args):
         code = getattr(e, "exit_code", None)
         raise SystemExit(code if code is not None and code > 0
                          else f"{os.path.basename(sys.argv[0])}: {e}")
-
 
 
 def fail(message, leave_group=True):
@@ -235,7 +223,6 @@ def fail(message, leave_group=True):
             json.dump({"message": {"message": message, "extraInfo": {
                 "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
     raise SystemExit(message)
-
 
 
 def quiet_known_warnings():

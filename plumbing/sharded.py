@@ -15,7 +15,6 @@ import shutil
 import torch
 
 
-
 def commit_sharded(folder, name, train_state):
     """On rank 0, once every rank has written folder/name: its train state (small, the same on
     every rank) as train_state.json, then `latest` switched to it, then the older steps gone."""
@@ -31,7 +30,6 @@ def commit_sharded(folder, name, train_state):
         if old.startswith("step_") and old != name:
             shutil.rmtree(os.path.join(folder, old))
     print(f"checkpoint: step {train_state['step']} -> {folder}/{name}", flush=True)
-
 
 
 def latest_sharded(folder, refuse):
@@ -58,7 +56,6 @@ def latest_sharded(folder, refuse):
         refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
 
 
-
 # The classes a checkpoint index (.metadata) of torch.distributed.checkpoint is made of: DCP's
 # own metadata dataclasses, the file reader's storage record, and the torch types they hold.
 DCP_METADATA_GLOBALS = {
@@ -71,10 +68,8 @@ DCP_METADATA_GLOBALS = {
 }
 
 
-
 class NotCheckpointData(pickle.UnpicklingError):
     """A pickle that names a class or function no checkpoint index holds."""
-
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -85,7 +80,6 @@ class MetadataUnpickler(pickle.Unpickler):
         if (module, name) in DCP_METADATA_GLOBALS or is_dtype:
             return super().find_class(module, name)
         raise NotCheckpointData(f"{module}.{name}")
-
 
 
 def load_sharded(state, folder, refuse):
@@ -109,7 +103,6 @@ def load_sharded(state, folder, refuse):
     except (Exception, CheckpointException) as e:  # raised on every rank by the collective
         # (CheckpointException derives from BaseException: `except Exception` misses it.)
         refuse(f"cannot be read ({type(e).__name__}); move it away or point elsewhere")
-
 
 
 def _load_data_only(state, folder):

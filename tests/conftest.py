@@ -668,9 +668,9 @@ def worker_pids(launcher_pid, script):
             continue
     servers = {pid for pid, ppid, cmdline in processes
                if ppid == launcher_pid and b"forkserver" in cmdline}
-    return sorted(pid for pid, ppid, cmdline in processes
-                  if ppid in servers or ppid == launcher_pid
-                  and (script.encode() in cmdline or b"spawn_main" in cmdline))
+    return sorted(pid for pid, ppid, cmdline in processes if pid not in servers
+                  and (ppid in servers or ppid == launcher_pid
+                       and (script.encode() in cmdline or b"spawn_main" in cmdline)))
 
 
 def launch_and_kill_a_worker(*cmd, script, when, timeout=90):

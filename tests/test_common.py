@@ -26,8 +26,8 @@ def test_environment_report_names_torch_backends_and_a_launch_command():
 
 
 def test_communication_check_verifies_an_all_reduce_and_measures_bandwidth():
-    """`torchrun --nproc_per_node=2 -m plumbing.diagnostics`, queued with the other launches: the timings
-    measure a busy machine, and only their being there is asserted."""
+    """`torchrun --nproc_per_node=2 -m plumbing.diagnostics`, queued with the other launches: the
+    timings measure a busy machine, and only their being there is asserted."""
     out = ok(early_results(__name__)[1][0])
     assert "all-reduce verified on 2 ranks (gloo, cpu); barrier passed" in out
     # the table's rows: four numbers (gloo's own "[Gloo] Rank 1 is connected ..." lines of two
@@ -96,7 +96,8 @@ def test_every_script_starts_and_trains_a_step_where_plumbing_takes_it_for_macos
         monkeypatch.setattr(plumbing.meter, "resource", None)
     stores = []
     real_store = plumbing.ranks.dist.TCPStore
-    monkeypatch.setattr(plumbing.ranks.dist, "TCPStore", lambda *args, **kwargs: stores.append(kwargs)
+    monkeypatch.setattr(plumbing.ranks.dist, "TCPStore",
+                        lambda *args, **kwargs: stores.append(kwargs)
                         or real_store(*args, **kwargs))
     flags = ["--steps=1", *(["--dtype=fp32"] if script == "amp" else [])]
     run = run_in_process if script in ("single", "dataparallel", "amp") else run_as_only_rank

@@ -102,9 +102,9 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
     plumbing.checkpoints.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
     cases.append((open(ckpt, "rb").read(), "saved with another model size; use its --hidden"))
     # the same weights' shapes, another head count: they would load, and compute otherwise
-    plumbing.checkpoints.save_atomic({"model": common.SimpleModel(hidden=32, heads=2).state_dict(), "heads": 2,
-                        "batch_size": 64, "seed": 0, "fp64": False, "optimizer": {}, "step": 1},
-                       ckpt)
+    plumbing.checkpoints.save_atomic({"model": common.SimpleModel(hidden=32, heads=2).state_dict(),
+                                      "heads": 2, "batch_size": 64, "seed": 0, "fp64": False,
+                                      "optimizer": {}, "step": 1}, ckpt)
     cases.append((open(ckpt, "rb").read(), "saved with --heads 2; use --heads 2"))
     for content, message in cases:
         with open(ckpt, "wb") as f:
@@ -140,8 +140,8 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
     args = ddp.parse_args(["--device=cpu", "--nproc=1", "--batch-size=32"])
     args.checkpoint = str(tmp_path / "ckpt.pt")
     model = common.SimpleModel()
-    plumbing.checkpoints.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0, "heads": 4},
-                       args.checkpoint)
+    plumbing.checkpoints.save_atomic({"model": model.state_dict(), "batch_size": 64, "seed": 0,
+                                      "heads": 4}, args.checkpoint)
     with pytest.raises(SystemExit, match="with --batch-size 64, not 32.*use --batch-size 64"):
         load_checkpoint(ddp, args, model)
 

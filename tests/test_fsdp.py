@@ -254,7 +254,7 @@ def files(folder):
 @pytest.mark.parametrize("case", DAMAGED)
 def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_nothing(
         case, runs, tmp_path):
-    """load_sharded (common.py) checks the index and the shards on every rank before the
+    """load_sharded (plumbing/sharded.py) checks the index and the shards on every rank before the
     collective load: the same files, the same ValueError on every rank."""
     marker = tmp_path / "ran"
     copy = damage(runs["2 ranks"][1].parent / "ckpt", case, tmp_path / "c", marker)

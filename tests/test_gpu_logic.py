@@ -122,7 +122,8 @@ def test_save_atomic_writes_cpu_tensors_that_load_anywhere(tmp_path):
     on_gpu = {k: v.detach().clone().as_subclass(OnGpu) for k, v in model.state_dict().items()}
     optimizer_state = {"state": {0: {"step": torch.tensor(3.0).as_subclass(OnGpu)}},
                        "param_groups": [{"lr": 0.1, "params": [0]}]}
-    plumbing.checkpoints.save_atomic({"model": on_gpu, "optimizer": optimizer_state}, tmp_path / "c.pt")
+    plumbing.checkpoints.save_atomic({"model": on_gpu, "optimizer": optimizer_state},
+                                     tmp_path / "c.pt")
     loaded = torch.load(tmp_path / "c.pt", weights_only=True)  # no map_location needed
     assert type(loaded["model"]["embed.weight"]) is torch.Tensor
     assert max_diff(loaded["model"], model.state_dict()) == 0
@@ -196,7 +197,8 @@ def test_gpu_sharers_counts_the_ranks_of_the_machine_whose_gpu_has_the_same_uuid
     store.set_timeout(datetime.timedelta(seconds=30))
     uuids = ["GPU-a", "GPU-b", "GPU-a", "GPU-c"]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        counts = list(pool.map(lambda r: plumbing.ranks.sharing(store, r, 4, uuids[r]), [3, 2, 1, 0]))
+        counts = list(pool.map(lambda r: plumbing.ranks.sharing(store, r, 4, uuids[r]),
+                               [3, 2, 1, 0]))
     assert counts == [1, 2, 1, 2]
 
 
@@ -370,5 +372,6 @@ def test_compile_on_a_gpu_without_what_triton_builds_with_is_refused_in_one_line
     if missing == "compiler":
         monkeypatch.setattr(plumbing.compile.shutil, "which", lambda name: None)
     else:
-        monkeypatch.setattr(plumbing.compile.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+        monkeypatch.setattr(plumbing.compile.sysconfig, "get_paths",
+                            lambda: {"include": str(tmp_path)})
     refused_in_one_line("single", ["--device=cuda", "--compile"], says, capsys)
