@@ -5,7 +5,7 @@
     python docs/benchmarks.py tp ddp     # only these tables
     python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
     python docs/benchmarks.py ddp fsdp --batch=512 --reps=5   # and 5 repetitions of each row
-    python docs/benchmarks.py ep-save    # ep.py's rank 0 in a save (--script=: another ep.py)
+    python docs/benchmarks.py ep-save    # ep.py's rank 0 in a save
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -264,15 +264,14 @@ def alltoall(steps=8):
 
 def ep_save(script="ep.py", ranks=8):
     """Rank 0's memory while ep.py gathers its checkpoint (plumbing/checkpoints.py's
-    gather_full_state), at hidden 256,
-    8 experts, 4 blocks, fp32, EP 8 (each rank holds one expert per block), after an Adam step.
-    In this process, as rank 0 of a group of `ranks` whose collectives move nothing (torch's
-    test backend "fake"): ep.py's own code allocates every tensor it would, at its size, on the
-    device it chooses; the bytes received are zeros. On a GPU: the peak of the bytes
+    gather_full_state), at hidden 256, 8 experts, 4 blocks, fp32, EP 8 (each rank holds one
+    expert per block), after an Adam step. In this process, as rank 0 of a group of `ranks`
+    whose collectives move nothing (torch's test backend "fake"): the code allocates every
+    tensor it would, at its size, on the device it chooses; the bytes received are zeros. On a GPU: the peak of the bytes
     allocated on it during the gather, over those allocated before (torch.cuda's counters). On
     the CPU, where the device is the host: the process's peak resident memory during the
-    gather (VmHWM, reset just before) over its resident memory before. `script`: another
-    ep.py (git show HEAD:ep.py > /tmp/ep.py, say, for the one before a change)."""
+    gather (VmHWM, reset just before) over its resident memory before. `script`: the ep.py
+    whose experts are cut (hold_experts); the gather is plumbing's, whatever the script."""
     import argparse
     import importlib.util
 
