@@ -396,8 +396,38 @@ def pytest_collection_finish(session):
             EARLY_FOLDERS.append(folder)
             commands, env = module.early_launches(folder)
             EARLY[module.__name__] = folder, [
-                WATCHERS.submit(cmd) if callable(cmd)
-                else QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT) for cmd in commands]
+                WATCHERS.submit(cmd) if callable(cmd) else queued(cmd, env) for cmd in commands]
+
+
+# A launch two modules ask for with the same command (a by-hand script's test module runs its
+# wrapper with the flags the wrapper's own module runs it with) runs once: the second gets the
+# first's result, and a copy of the weights it saved at its own --save path.
+SAME_LAUNCHES = {}  # (command without --save, env): (future, its --save path)
+
+
+def saved_to(cmd):
+    return next((arg.removeprefix("--save=") for arg in map(str, cmd)
+                 if arg.startswith("--save=")), None)
+
+
+def queued(cmd, env):
+    key = (tuple(str(arg) for arg in cmd if not str(arg).startswith("--save=")),
+           tuple(sorted((env or {}).items())))
+    if key not in SAME_LAUNCHES:
+        SAME_LAUNCHES[key] = QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT), saved_to(cmd)
+        return SAME_LAUNCHES[key][0]
+    first, path = SAME_LAUNCHES[key]
+    copy = concurrent.futures.Future()
+
+    def copied(done):
+        try:
+            if path and saved_to(cmd) and os.path.exists(path):
+                shutil.copyfile(path, saved_to(cmd))
+            copy.set_result(done.result())
+        except BaseException as e:  # a failed or cancelled first launch fails this one too
+            copy.set_exception(e)
+    first.add_done_callback(copied)
+    return copy
 
 
 def pytest_sessionfinish(session):
@@ -439,14 +469,16 @@ def torchrun(nproc, script, *args, **kw):
 def run_commands(script, runs, folder):
     """The commands of `runs` ({name: (N, flags)}: N ranks (ranks_cmd), or N = None for
     `python script`) and the files they save to. Each run trains JOB with its flags ("{folder}"
-    in a flag stands for `folder`) and saves its weights."""
+    in a flag stands for `folder`) and saves its weights. A run (N, flags, other) runs the
+    script `other` instead (a by-hand twin from from_scratch/ beside its wrapper's runs)."""
     commands, paths = [], []
-    for i, (nproc, flags) in enumerate(runs.values()):
-        paths.append(folder / f"{Path(script).stem}-{i}.pt")
+    for i, (nproc, flags, *other) in enumerate(runs.values()):
+        script_ = other[0] if other else script
+        paths.append(folder / f"{str(script_).replace('/', '-').removesuffix('.py')}-{i}.pt")
         args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags if f != CUDA_DEFAULTS),
                 f"--save={paths[-1]}"]
         commands.append([CUDA_DEFAULTS] * (CUDA_DEFAULTS in flags) + (
-            python_cmd(script, *args) if nproc is None else ranks_cmd(nproc, script, *args)))
+            python_cmd(script_, *args) if nproc is None else ranks_cmd(nproc, script_, *args)))
     return commands, paths
 
 
@@ -460,6 +492,27 @@ def launched_runs(module_name, script, runs):
     """{name: (result, path it saved to)} of the runs early_runs(script, runs) launched."""
     folder, results = early_results(module_name)
     return dict(zip(runs, zip(results, run_commands(script, runs, folder)[1])))
+
+
+def mutated(script, edits, folder, name="the mistake"):
+    """A copy of `script` (a path from the repo's root) with `edits` made, as folder/<script>:
+    each edit (lines of the real script, the mistake in their place), or (file, lines,
+    mistake) for an edit of another file (common.py), copied beside it. Fails loudly if the
+    lines an edit replaces are not in the real file exactly once: the bug zoo (tests/test_zoo.py)
+    can never quietly test nothing."""
+    texts = {}
+    for edit in edits:
+        file, old, new = edit if len(edit) == 3 else (script, *edit)
+        text = texts.get(file, (REPO / file).read_text())
+        assert text.count(old) == 1, (
+            f"{name}: {file} no longer holds these lines exactly once; update the zoo:\n{old}")
+        texts[file] = text.replace(old, new)
+    texts.setdefault(script, (REPO / script).read_text())  # the script, with common.py's edits
+    folder.mkdir(parents=True, exist_ok=True)
+    for file, text in texts.items():  # a copied common.py is the one the copy imports
+        (folder / file).parent.mkdir(parents=True, exist_ok=True)
+        (folder / file).write_text(text)
+    return folder / script
 
 
 def run_in_process(script, flags, folder):

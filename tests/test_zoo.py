@@ -21,7 +21,7 @@ import common
 from common import SimpleModel
 from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, REPO, VAL_TOL,
                       early_results, fp64, fp64_reference, launch, load_saved, logged_losses,
-                      logged_norms, logged_step_losses, max_diff, ok, ranks_cmd,
+                      logged_norms, logged_step_losses, max_diff, mutated, ok, ranks_cmd,
                       refused_in_one_line, run_as_only_rank, run_in_process, summary_val_loss)
 from reference import reference_train, reference_val_loss
 from test_amp import CLIP, run_seeing_the_gradient_adam_gets
@@ -223,22 +223,8 @@ LAUNCHED = {
 
 
 def mutant(name, folder):
-    """A copy of the script with the mistake made, as `folder`/<script>; fails loudly if the
-    lines it replaces are not in the real script exactly once."""
-    script, edits = MISTAKES[name]
-    texts = {}
-    for edit in edits:
-        file, old, new = edit if len(edit) == 3 else (script, *edit)
-        text = texts.get(file, (REPO / file).read_text())
-        assert text.count(old) == 1, (
-            f"{name}: {file} no longer holds these lines exactly once; update the zoo:\n{old}")
-        texts[file] = text.replace(old, new)
-    texts.setdefault(script, (REPO / script).read_text())  # the script, with common.py's edits
-    folder.mkdir(parents=True, exist_ok=True)
-    for file, text in texts.items():  # a copied common.py is the one the copy imports
-        (folder / file).parent.mkdir(exist_ok=True)
-        (folder / file).write_text(text)
-    return folder / script
+    """A copy of the script with the mistake made, as `folder`/<script> (conftest.mutated)."""
+    return mutated(*MISTAKES[name], folder, name)
 
 
 def imported(path):
