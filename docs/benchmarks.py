@@ -6,6 +6,7 @@
     python docs/benchmarks.py ddp fsdp --batch=512   # the ddp and fsdp tables at another batch
     python docs/benchmarks.py ddp fsdp --batch=512 --reps=5   # and 5 repetitions of each row
     python docs/benchmarks.py ep-save    # ep.py's rank 0 in a save
+    python docs/benchmarks.py by-hand    # each wrapper against its twin in from_scratch/
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -333,9 +334,27 @@ def ep_save(script="ep.py", ranks=8):
     return state
 
 
+def by_hand(reps=3, batch=128):
+    """Each wrapper against its twin written by hand (from_scratch/), 2 ranks, alternating."""
+    pairs = {"ddp.py": [], "zero.py": [], "fsdp.py": [], "tp.py": [],
+             "pipeline.py": ["--schedule=1f1b"]}
+    rows = []
+    for i in range(reps):
+        for script, flags in pairs.items():
+            (w, _), = rates(torchrun(2, script, batch, *flags))
+            (h, _), = rates(torchrun(2, f"from_scratch/{script}", batch, *flags))
+            rows.append([script, str(i + 1), f"{w:.0f}", f"{h:.0f}", f"{h / w:.0%}"])
+    table(f"Each wrapper against its by-hand twin, 2 ranks, batch {batch} (samples/s)",
+          ["wrapper", "repetition", "wrapper", "by hand", "by hand / wrapper"], rows)
+    for script in pairs:
+        ratios = [float(row[4].rstrip("%")) for row in rows if row[0] == script]
+        print(f"\n{script}: median {statistics.median(ratios):.0f}% of {len(ratios)} "
+              f"(lowest {min(ratios):.0f}%, highest {max(ratios):.0f}%)", flush=True)
+
+
 TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
           "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled,
-          "ep": ep, "alltoall": alltoall, "ep-save": ep_save}
+          "ep": ep, "alltoall": alltoall, "ep-save": ep_save, "by-hand": by_hand}
 
 if __name__ == "__main__":
     import torch

@@ -226,7 +226,7 @@ def fail(message, leave_group=True):
 
 
 def quiet_known_warnings():
-    """Silence, in this process, exactly two messages that torch prints on correct runs of
+    """Silence, in this process, exactly three messages that torch prints on correct runs of
     these scripts (every rank of every script calls it: as_rank), each harmless here:
     - FSDP2's "FSDP2-wrapped module (...) returned a view tensor ... can cause backward to fail
       or produce wrong gradients" (torch 2.13 and later, at the first forward; fsdp.py, and
@@ -240,9 +240,14 @@ def quiet_known_warnings():
       the other (two all-reduces of one number each, where a flattened mesh, a private API
       today, would make one), and --save gathers a weight cut by both in two all-gathers.
       Every rank gets the same numbers all the same: an all-gather copies, and each all-reduce
-      gives its group one result, the groups of the second adding up equal inputs."""
+      gives its group one result, the groups of the second adding up equal inputs.
+    - torch 2.13's FutureWarning that all_gather_into_tensor and reduce_scatter_tensor are
+      deprecated for all_gather_single and reduce_scatter_single (from_scratch/): torch 2.10
+      has no *_single functions, and 2.15 no longer deprecates the two."""
     import logging
     import warnings
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
+                            r"(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         lambda record: "This is suboptimal" not in record.getMessage())

@@ -1,6 +1,8 @@
 """ddp.py trains to the same weights as one device, however the batch is spread; so does
-zero.py, ddp.py with Adam's state sharded (ZeRO-1), whose checkpoint ddp.py resumes."""
+zero.py, ddp.py with Adam's state sharded (ZeRO-1), whose checkpoint ddp.py resumes. Their
+by-hand twins (from_scratch/ddp.py, from_scratch/zero.py) train to the wrappers' weights."""
 
+import json
 import re
 import shutil
 
@@ -11,17 +13,20 @@ from torch.utils.data import DistributedSampler
 
 from common import SimpleModel, make_dataset
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS,
-                      JOB, TOL, VAL_TOL, assert_fp64_run_equals_the_fp64_oracle,
-                      assert_gpu_run_equals_oracle, assert_norms_are_the_oracles, assert_profiled,
-                      early_results, fails_clearly, fp32_reference, fp64, load_saved,
-                      logged_losses, logged_val_losses, max_diff, moe, needs_2_gpus, needs_cuda, ok,
-                      python, refused_in_one_line, run_as_only_rank, run_commands, succeeded,
-                      summary_val_loss, torchrun)
+                      FP64_TOL, JOB, JOB_FLAGS, REPO, TOL, VAL_TOL,
+                      assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
+                      assert_norms_are_the_oracles, assert_profiled, early_results, fails_clearly,
+                      fp32_reference, fp64, fp64_reference, launch, load_saved, logged_losses,
+                      logged_norms, logged_step_losses, logged_val_losses, max_diff, moe, mutated,
+                      needs_2_gpus, needs_cuda, ok, python, ranks_cmd, refused_in_one_line,
+                      run_as_only_rank, run_commands, succeeded, summary_val_loss, torchrun)
 from reference import reference_val_loss, token_loss
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
-# name: (ranks, conftest.ranks_cmd, or None for `python ddp.py`; extra flags). Each trains JOB,
+CAP_MB = 0.02  # from_scratch/ddp.py's --bucket-cap-mb: JOB's fp32 model in 4 buckets
+# name: (ranks, conftest.ranks_cmd, or None for `python ddp.py`; extra flags[, the script, where
+# not ddp.py: its by-hand twin]). Each trains JOB,
 # or FP64_JOB where the flags say fp64(seed). One rank: the resume test, which continues on 1.
 RUNS = {
     # fp32, what users run: the short job (and traces steps 5-7)
@@ -31,6 +36,13 @@ RUNS = {
     # balancing loss takes the 4 ranks' routing (one device's micro-batch)
     "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (None, [
         CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]]),
+    # by hand, beside each (from_scratch/ddp.py): the trace of a model in 4 buckets...
+    "by hand, 2 ranks": (2, ["--profile={folder}/hand-trace", f"--bucket-cap-mb={CAP_MB}"],
+                         "from_scratch/ddp.py"),
+    # ...and the flags of the fp64 run above, for its weights and every number it prints
+    "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (None, [
+        CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]],
+        "from_scratch/ddp.py"),
 }
 # zero.py's, the same way: Adam's state sharded over 2 ranks; and fp64 on odd flags: 3 ranks
 # (the held-out set pads), 3 micro-batches, blocks that recompute their activations (compiled:
@@ -40,25 +52,45 @@ ZERO_RUNS = {
     "zero, fp64, 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
                                              "--activation-checkpointing",
                                              "--checkpoint={folder}/ckpt.pt"]),
+    # by hand (from_scratch/zero.py): ZeRO-1 beside the run above it, ZeRO-2 beside the fp64 one
+    "zero by hand, ZeRO-1, 2 ranks": (2, ["--zero=1"], "from_scratch/zero.py"),
+    "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": (3, [
+        *fp64(SEED_A), "--accum-steps=3", "--activation-checkpointing",
+        "--checkpoint={folder}/hand-ckpt.pt", "--zero=2"], "from_scratch/zero.py"),
 }
 FP64_RUNS = {  # name: (seed, clip, the oracle's mixture)
     "zero, fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),
     "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (SEED_B, FP64_CLIP,
-                                                                   moe(3, 1, 3)[1])}
+                                                                   moe(3, 1, 3)[1]),
+    "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),
+    "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (
+        SEED_B, FP64_CLIP, moe(3, 1, 3)[1])}
+# by-hand run: the wrapper's run of the same flags
+TWINS = {"by hand, 2 ranks": "2 ranks",
+         "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam":
+             "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam",
+         "zero by hand, ZeRO-1, 2 ranks": "zero, 2 ranks",
+         "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": "zero, fp64, 3 ranks, accum 3, AC"}
 
 
 def early_launches(folder):  # queued when the tests are collected
+    mistakes = [ranks_cmd(2, mutated(*MISTAKES[name], folder / f"m{i}", name), *JOB_FLAGS,
+                          *flags, f"--save={folder / f'm{i}' / 'w.pt'}")
+                for i, (name, flags) in enumerate(LAUNCHED.items())]
+    # PYTHONPATH: a mistake's copy lives outside the repo, and imports its common.py
     return [*run_commands("ddp.py", RUNS, folder)[0],
-            *run_commands("zero.py", ZERO_RUNS, folder)[0]], None
+            *run_commands("zero.py", ZERO_RUNS, folder)[0], *mistakes], {"PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """{name: (result, path it saved to)} of RUNS (ddp.py) and ZERO_RUNS (zero.py)."""
+    """{name: (result, path it saved to)} of RUNS (ddp.py) and ZERO_RUNS (zero.py), and of
+    the launched mistakes (LAUNCHED: the file of its saved weights)."""
     folder, results = early_results(__name__)
     paths = [*run_commands("ddp.py", RUNS, folder)[1],
-             *run_commands("zero.py", ZERO_RUNS, folder)[1]]
-    return dict(zip([*RUNS, *ZERO_RUNS], zip(results, paths)))
+             *run_commands("zero.py", ZERO_RUNS, folder)[1],
+             *(folder / f"m{i}" / "w.pt" for i in range(len(LAUNCHED)))]
+    return dict(zip([*RUNS, *ZERO_RUNS, *LAUNCHED], zip(results, paths)))
 
 
 def state_mib(stdout):
@@ -240,3 +272,201 @@ def test_zero1_holds_its_adam_share_once_after_resuming_and_after_each_checkpoin
     assert sum(len(s) for s in resumed.optim.state.values()) > 0  # the share Adam steps
     assert len(resumed.state) == 0  # and no second copy of it
     assert resumed._all_state_dicts == []  # nor rank 0's consolidated one, once written
+
+
+# The by-hand twins: from_scratch/ddp.py (DDP's buckets and hooks written with all_reduce) and
+# from_scratch/zero.py (ZeRO-1 and ZeRO-2 written with all_reduce, reduce_scatter, all_gather)
+
+# On 2 ranks a + b is b + a, and DDP's factor 1/2 is exact: the twin's weights are the
+# wrapper's, bit for bit. On 3 and 4 ranks gloo's ring adds each element in an order set by its
+# place in the buffer, and the twins lay the gradient out otherwise than DDP's rebuilt bucket:
+# the last bits part (and a norm summed otherwise, under --clip).
+BIT_IDENTICAL = {"by hand, 2 ranks", "zero by hand, ZeRO-1, 2 ranks"}
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_by_hand_twin_ends_within_1e_12_of_its_wrapper_run_and_prints_its_numbers(name, runs):
+    """The same flags, the same weights (to 1e-12, or the same bits: BIT_IDENTICAL), the same
+    printed losses, validation loss and gradient norms (to the 7 digits printed)."""
+    out, hand = succeeded(runs[name])
+    wrapper_out, wrapper = succeeded(runs[TWINS[name]])
+    diff = max_diff(hand, wrapper)
+    print(f"{name}: {diff:.2e} from the wrapper")  # the figure the docs quote (pytest -s)
+    assert diff == 0 if name in BIT_IDENTICAL else diff <= 1e-12, f"{diff:.2e}"
+    assert logged_step_losses(out) == logged_step_losses(wrapper_out)
+    assert summary_val_loss(out) == summary_val_loss(wrapper_out)
+    norms = logged_norms(wrapper_out)
+    assert logged_norms(out).keys() == norms.keys()
+    for step, norm in logged_norms(out).items():
+        assert norm == pytest.approx(norms[step], rel=1e-6), f"step {step}"
+
+
+def buckets(cap_mb, element_size):
+    """The buckets DDP's rule makes of JOB's model: the parameters in reverse order, a bucket
+    closed once it holds cap bytes or more."""
+    count, size = 1, 0
+    for p in reversed(list(SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"]).parameters())):
+        if size >= cap_mb * 2**20:
+            count, size = count + 1, 0
+        size += p.numel() * element_size
+    return count
+
+
+def all_reduces_in_each_backward(trace):
+    """Per recorded step of a Chrome trace: the all-reduces that started during each backward,
+    whether the step started any other, and whether the first started while that backward was
+    still accumulating gradients (an AccumulateGrad of it starting later)."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+    def within(outer, name):
+        return sorted((e for e in events if outer["ts"] <= e["ts"] < outer["ts"] + outer["dur"]
+                       and name(e["name"])), key=lambda e: e["ts"])
+    steps = []
+    for step in within({"ts": 0, "dur": float("inf")}, lambda n: n.startswith("ProfilerStep#")):
+        backwards = within(step, lambda n: n == "backward")
+        launched = [within(b, lambda n: n in ("gloo:all_reduce", "nccl:all_reduce"))
+                    for b in backwards]
+        last = backwards[-1]
+        accumulated = within(last, lambda n: n == "torch::autograd::AccumulateGrad")
+        steps.append(([len(a) for a in launched],
+                      len(within(step, lambda n: n in ("gloo:all_reduce", "nccl:all_reduce"))),
+                      bool(launched[-1]) and launched[-1][0]["ts"] < accumulated[-1]["ts"]))
+    assert len(steps) == 3, steps
+    return steps
+
+
+def test_ddp_by_hand_all_reduces_each_bucket_while_backward_still_runs_on_every_rank(runs):
+    """Overlap, shown: in every recorded step of both ranks' traces (--profile), the first
+    bucket's all-reduce starts inside backward while autograd is still adding gradients into
+    .grad (an AccumulateGrad starts after it), and the step makes one per bucket, 4 (the last
+    bucket's may start as backward returns: its hook is backward's last work)."""
+    assert buckets(CAP_MB, 4) == 4
+    succeeded(runs["by hand, 2 ranks"])
+    for rank in range(2):
+        for in_backward, in_step, overlapped in all_reduces_in_each_backward(
+                runs["by hand, 2 ranks"][1].parent / "hand-trace" / f"trace_rank{rank}.json"):
+            assert in_backward[0] >= 1 and in_step == 4 and overlapped
+
+
+def test_ddp_by_hand_all_reduces_one_bucket_each_on_the_last_micro_batch_and_none_before(
+        tmp_path):
+    """Collectives counted against theory: 3 micro-batches, 4 buckets (a world of 1, in this
+    process: the hooks all-reduce even then) make 4 all-reduces per step, none started during
+    the first two backwards: what ddp.py's no_sync() does, by hand."""
+    run_as_only_rank("from_scratch.ddp", ["--accum-steps=3", f"--bucket-cap-mb={CAP_MB}",
+                                          f"--profile={tmp_path}/trace"], tmp_path)
+    for in_backward, in_step, overlapped in all_reduces_in_each_backward(
+            tmp_path / "trace" / "trace_rank0.json"):
+        assert in_backward[:2] == [0, 0] and in_backward[2] >= 1 and in_step == 4 and overlapped
+
+
+@pytest.mark.parametrize("name, stage, ranks, element_size", [
+    ("zero by hand, ZeRO-1, 2 ranks", 1, 2, 4),
+    ("zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC", 2, 3, 8)])
+def test_zero_by_hand_holds_per_rank_what_its_stage_says(name, stage, ranks, element_size, runs):
+    """The summary's state, against theory. The weights lie in one buffer padded to N slices of
+    S (P weights, S = ceil(P / N)), e bytes each: every rank holds all of them (e N S), the
+    gradient (ZeRO-1: all of it, all-reduced, e N S; ZeRO-2: its slice, reduce-scattered,
+    e S) and Adam's two moments of its slice (2 e S). Per fp32 weight: 8 + 8/N bytes (ZeRO-1,
+    zero.py's own, whose greedy deal of whole parameters the test checks to 5%), 4 + 12/N
+    (ZeRO-2)."""
+    out = succeeded(runs[name])[0]
+    weights = sum(p.numel() for p in SimpleModel(JOB["hidden"], JOB["blocks"],
+                                                 JOB["heads"]).parameters())
+    shard = -(-weights // ranks)
+    held = element_size * (ranks * shard + (ranks * shard if stage == 1 else shard) + 2 * shard)
+    assert state_mib(out) == pytest.approx(held / 2**20, abs=5e-4)
+    if stage == 1:
+        assert state_mib(out) == pytest.approx(state_mib(succeeded(runs["zero, 2 ranks"])[0]),
+                                               rel=0.05)
+
+
+def test_zero_by_hand_checkpoint_is_zero_py_s_plain_adam_state(runs):
+    """Both 3-rank fp64 runs write one plain Adam state on rank 0 (what single.py and ddp.py
+    resume): the same keys, steps and hyperparameters, and the moments within 1e-12."""
+    hand, wrapper = (torch.load(runs[name][1].parent / file, weights_only=True) for name, file in
+                     [("zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC", "hand-ckpt.pt"),
+                      ("zero, fp64, 3 ranks, accum 3, AC", "ckpt.pt")])
+    assert hand.keys() == wrapper.keys() and hand["step"] == wrapper["step"]
+    assert max_diff(hand["model"], wrapper["model"]) <= 1e-12
+    assert hand["optimizer"]["param_groups"] == wrapper["optimizer"]["param_groups"]
+    assert hand["optimizer"]["state"].keys() == wrapper["optimizer"]["state"].keys()
+    for i, state in wrapper["optimizer"]["state"].items():
+        assert state.keys() == hand["optimizer"]["state"][i].keys()
+        assert max_diff(hand["optimizer"]["state"][i], state) <= 1e-12
+
+
+def test_fp64_zero_by_hand_resumes_zero_py_s_3_rank_checkpoint_on_1_rank(runs, tmp_path):
+    """zero.py's 3-rank checkpoint (a plain Adam state), resumed by hand on 1 rank (a world of
+    one, in this process) with ZeRO-2 to step 48: within 1e-9 of 48 steps on one device."""
+    shutil.copy(runs["zero, fp64, 3 ranks, accum 3, AC"][1].parent / "ckpt.pt", tmp_path / "c.pt")
+    steps = FP64_JOB["steps"] + 8
+    out, resumed = run_as_only_rank("from_scratch.zero", [
+        *fp64(SEED_A, steps=steps), "--zero=2", f"--checkpoint={tmp_path / 'c.pt'}"], tmp_path)
+    assert f"at step {FP64_JOB['steps']}" in out
+    assert_fp64_run_equals_the_fp64_oracle((out, resumed), SEED_A, steps)
+
+
+@needs_cuda
+@pytest.mark.parametrize("script, flags", [("from_scratch/ddp.py", [f"--bucket-cap-mb={CAP_MB}"]),
+                                           ("from_scratch/zero.py", ["--zero=2"])])
+def test_by_hand_ddp_and_zero_over_nccl_on_one_gpu_equal_one_device(script, flags, reference,
+                                                                     tmp_path):
+    result = torchrun(1, script, *CUDA_JOB_FLAGS, *flags, "--backend=nccl",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("script, flags", [("from_scratch/ddp.py", [f"--bucket-cap-mb={CAP_MB}"]),
+                                           ("from_scratch/zero.py", ["--zero=1"]),
+                                           ("from_scratch/zero.py", ["--zero=2"])])
+def test_by_hand_ddp_and_zero_over_nccl_on_two_gpus_equal_one_device(script, flags, reference,
+                                                                      tmp_path):
+    result = torchrun(2, script, *CUDA_JOB_FLAGS, *flags, "--backend=nccl",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+# The by-hand twin's mistakes (the bug zoo, tests/test_zoo.py: each an exact replacement of
+# lines of the real file, in a copy)
+MISTAKES = {
+    "by hand: the average forgotten": ("from_scratch/ddp.py", [(
+        '        torch.mul(p.grad.view(-1), 1 / self.world_size, out=bucket["views"][p])\n',
+        '        bucket["views"][p].copy_(p.grad.view(-1))  # the sum, not the average\n')]),
+    "by hand: rank 1 fills its buckets from the other end": ("from_scratch/ddp.py", [(
+        "        for p in reversed(params):\n",
+        "        for p in reversed(params) if dist.get_rank() == 0 else params:\n")]),
+}
+LAUNCHED = {"by hand: the average forgotten": fp64(SEED_A, steps=4)}  # name: flags, 2 ranks
+
+
+def test_ddp_by_hand_without_the_average_misses_the_oracle_while_its_loss_matches(runs):
+    """The sum of N gradients, not their mean: Adam divides each step by the gradient's own
+    size, so the loss printed is one device's to its six decimals, and only the weights (and
+    the printed gradient norm, N times one device's) show it."""
+    out, weights_ = succeeded(runs["by hand: the average forgotten"])
+    _, expected, losses, norms, _ = fp64_reference(SEED_A, 4)
+    diff = max_diff(weights_, expected)
+    print(f"the average forgotten: {diff:.2e} from the fp64 oracle")
+    assert diff > FP64_TOL
+    assert logged_losses(out)[-1] == pytest.approx(losses[-1], abs=1e-6)
+    assert logged_norms(out)[1] == pytest.approx(2 * norms[0], rel=1e-6)
+
+
+def test_ddp_by_hand_buckets_launched_in_another_order_on_one_rank_stop_the_job_in_seconds(
+        tmp_path):
+    """Collectives pair up by their order on each rank: rank 1 fills its buckets from the
+    other end, so its first all-reduce meets rank 0's first with another size. Gloo checks the
+    size: the rank that receives more than it expects stops with gloo's "collective mismatch",
+    and the other says in one line that a collective gave up. (NCCL checks no size and hangs:
+    there --timeout ends it, with the same line.) Within the test's limit, not a hang."""
+    name = "by hand: rank 1 fills its buckets from the other end"
+    path = mutated(*MISTAKES[name], tmp_path, name)
+    result = launch(*ranks_cmd(2, path, *JOB_FLAGS, *fp64(SEED_A, steps=4),
+                               f"--bucket-cap-mb={CAP_MB}", "--timeout=2"), timeout=60,
+                    env={"PYTHONPATH": str(REPO)})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(r"^ddp\.py: error: rank [01]: a collective gave up \(", result.stderr,
+                     re.M), result.stderr
+    assert "Is there a distributed collective mismatch in your code?" in result.stderr

@@ -148,7 +148,8 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd",
+           *(f"from_scratch.{name}" for name in ("ddp", "zero", "fsdp", "tp", "pipeline"))]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
     (["--batch-size=-8"], "--batch-size: must be greater than 0"),

@@ -12,7 +12,8 @@ import torch
 from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd"]
+SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd",
+           *(f"from_scratch.{name}" for name in ("ddp", "zero", "fsdp", "tp", "pipeline"))]
 # Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has
 # imported torch already), all queued with the other launches when the tests are collected.
 # Model parallelism (pipeline.py --nproc 1) is proven on JOB by tests/test_pipeline.py.
@@ -28,6 +29,10 @@ LAUNCHED = {
     "python nd.py": [sys.executable, "nd.py", "--device=cpu"],  # 4 workers: 2 (pp) x 2 (tp)
     **{f"python {script}.py": [sys.executable, f"{script}.py", "--device=cpu"]
        for script in ("single", "dataparallel", "amp")},  # one process each
+    # the by-hand twins, each as its docstring's first line starts it (2 workers each)
+    **{f"python from_scratch/{script}.py": [sys.executable, f"from_scratch/{script}.py",
+                                            "--device=cpu"]
+       for script in ("ddp", "zero", "fsdp", "tp", "pipeline")},
 }
 
 

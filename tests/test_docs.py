@@ -50,15 +50,18 @@ def test_every_section_a_page_links_to_exists(page):
     assert not missing, f"{page.name} links to missing sections: {missing}"
 
 
+# The by-hand twins (from_scratch/) are named by their path from the repo's root, without .py.
+BY_HAND = ["from_scratch/ddp", "from_scratch/zero", "from_scratch/fsdp", "from_scratch/tp",
+           "from_scratch/pipeline"]
 SCRIPTS = ["single", "dataparallel", "ddp", "zero", "amp", "pipeline", "fsdp", "tp", "cp", "ep",
-           "nd"]
+           "nd", *BY_HAND]
 
 
 @functools.lru_cache(maxsize=None)
 def flags_of(script):
     """The flags `script`.py's parser defines (the shared ones, plumbing/flags.py's, and its
     own): the option lines of its --help."""
-    module = importlib.import_module(script)
+    module = importlib.import_module(script.replace("/", "."))
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         module.parse_args(["--help"])
@@ -74,7 +77,9 @@ def flags_named_for_scripts(text):
     found = set()
     for piece in pieces:
         piece = piece.split("#")[0]  # a shell comment names no flag
-        for m in re.finditer(r"\b(" + "|".join(SCRIPTS) + r")\.py\b(.*)", piece):
+        # the longest name first, and none inside another's path: from_scratch/ddp.py is not ddp.py
+        names = "|".join(sorted(SCRIPTS, key=len, reverse=True))
+        for m in re.finditer(r"(?<![\w/])(" + names + r")\.py\b(.*)", piece):
             found |= {(m.group(1), flag) for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)",
                                                                  m.group(2))}
     return found
@@ -89,8 +94,10 @@ def test_every_flag_a_page_names_after_a_script_is_one_that_script_has(page):
 
 def test_the_flags_check_sees_a_flag_a_script_does_not_have():
     named = flags_named_for_scripts("run `python ddp.py --nproc 2 --zero2`, then\n```\n"
-                                    "torchrun --nproc_per_node=2 fsdp.py --replicate 2\n```\n")
-    assert named == {("ddp", "--nproc"), ("ddp", "--zero2"), ("fsdp", "--replicate")}
+                                    "torchrun --nproc_per_node=2 fsdp.py --replicate 2\n"
+                                    "python from_scratch/ddp.py --nproc 3\n```\n")
+    assert named == {("ddp", "--nproc"), ("ddp", "--zero2"), ("fsdp", "--replicate"),
+                     ("from_scratch/ddp", "--nproc")}
     assert "--zero2" not in flags_of("ddp") and "--nproc" in flags_of("ddp")
 
 
@@ -133,7 +140,15 @@ DIFF_LIMITS = {
     # no model-parallel path, adds the mesh and its check, a stage's TP and FSDP, the per-stage
     # optimizers and their full state, built on "meta" and filled from rank 0's CPU: a file to
     # read (lesson 11): 550
-    ("pipeline", "nd"): 550}
+    ("pipeline", "nd"): 550,
+    # Each wrapper written by hand with public collectives, the rest of its script unchanged:
+    # DDP's buckets, hooks and async all-reduces; ZeRO's shards of Adam and of the gradient;
+    # FSDP's flat shards, gathers and reduce-scatters; TP's two autograd functions and the cut;
+    # the pipeline's sends, receives and two schedules: 220 each
+    **{(wrapper.removeprefix("from_scratch/"), wrapper): 220 for wrapper in BY_HAND},
+    # TP's twin also removes tp.py's 2D mesh, sequence and loss parallelism and sharded
+    # checkpoints (some 150 lines, each refused in one line instead): 370
+    ("tp", "from_scratch/tp"): 370}
 # pipeline.py changes most of ddp.py: the course reads it as a file (lesson 6), not as a diff.
 
 # Whole files: a technique and its training loop, read in one sitting.
@@ -153,6 +168,22 @@ def test_each_script_and_its_parse_args_stay_within_the_design_targets():
                           if isinstance(node, ast.FunctionDef) and node.name == "parse_args")
         n = parse_args.end_lineno - parse_args.lineno + 1
         assert n <= PARSE_ARGS_LIMIT, f"{script}.py: parse_args has {n} lines"
+
+
+@pytest.mark.parametrize("twin", BY_HAND)
+def test_each_by_hand_twin_has_its_wrappers_skeleton_and_flags(twin):
+    """`diff X.py from_scratch/X.py` shows the wrapper written by hand and nothing else: the
+    same parts in the same order, and every flag of the wrapper (one it leaves out is refused
+    in one line, not missing)."""
+    wrapper = twin.removeprefix("from_scratch/")
+
+    def parts(script):
+        return [node.name for node in ast.parse((REPO / f"{script}.py").read_text()).body
+                if isinstance(node, ast.FunctionDef)]
+    shared = [name for name in parts(twin) if name in parts(wrapper)]
+    assert shared == [name for name in parts(wrapper) if name in shared]
+    assert {"parse_args", "setup", "evaluate", "train", "run", "main"} <= set(shared)
+    assert flags_of(wrapper) <= flags_of(twin), flags_of(wrapper) - flags_of(twin)
 
 
 def test_common_py_is_the_model_its_data_and_its_loss_and_names_its_extension_points():
@@ -213,10 +244,10 @@ def test_each_script_copied_with_what_the_readme_says_into_an_empty_folder_start
     assert all(f"`{name}`" in readme for names in EXTRA_FILES.values() for name in names)
     commands = []
     for script in SCRIPTS:
-        folder = tmp_path / script
-        folder.mkdir()
+        folder = tmp_path / script.replace("/", "-")
+        (folder / script).parent.mkdir(parents=True)
         for name in [f"{script}.py", "common.py", *EXTRA_FILES.get(script, [])]:
-            shutil.copy(REPO / name, folder)
+            shutil.copy(REPO / name, folder / name)
         shutil.copytree(REPO / "plumbing", folder / "plumbing",
                         ignore=shutil.ignore_patterns("__pycache__"))
         commands.append(python_cmd(folder / f"{script}.py", "--help", "--device=cpu"))
@@ -241,7 +272,8 @@ def test_changed_lines_counts_what_a_diff_adds_and_removes_outside_the_docstring
 
 def test_each_recommended_diff_stays_within_its_limit_and_the_readme_shows_its_size():
     table = {(a, b): int(n) for a, b, n in re.findall(
-        r"^\| `diff (\w+)\.py (\w+)\.py` \|.*\| (\d+) \|$", (REPO / "README.md").read_text(), re.M)}
+        r"^\| `diff ([\w/]+)\.py ([\w/]+)\.py` \|.*\| (\d+) \|$", (REPO / "README.md").read_text(),
+        re.M)}
     assert set(table) == set(DIFF_LIMITS), "README's table of diffs lists other diffs"
     for (a, b), limit in DIFF_LIMITS.items():
         n = changed_lines((REPO / f"{a}.py").read_text(), (REPO / f"{b}.py").read_text())
@@ -313,6 +345,23 @@ def test_each_exercise_can_be_run_alone_by_the_k_expression_its_row_gives():
         matched = [t for t in tests if expression.lower() in t.lower()]
         assert len(matched) == 1, f"row {row}: -k {expression} selects {matched}"
         assert expression.lower() not in "tests/test_zoo.py", f"row {row}: -k {expression}"
+
+
+def test_each_by_hand_exercise_can_be_run_alone_by_the_k_expression_its_row_gives():
+    """docs/exercises.md's by-hand rows (B1, B2, ...): one "run it alone" line each, in order,
+    whose `-k` selects exactly one test of the module it names."""
+    import ast
+    text = (REPO / "docs" / "exercises.md").read_text()
+    rows = re.findall(r"^\| (B\d+) \| \*\*", text, re.M)
+    lines = re.findall(r"^python -m pytest -q (tests/test_\w+\.py) -k (\S+) +# (B\d+)$", text,
+                       re.M)
+    assert rows and [n for *_, n in lines] == rows, "one line per row of the table, in order"
+    for module, expression, row in lines:
+        tests = [node.name for node in ast.parse((REPO / module).read_text()).body
+                 if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+        matched = [t for t in tests if expression.lower() in t.lower()]
+        assert len(matched) == 1, f"row {row}: -k {expression} selects {matched}"
+        assert expression.lower() not in module, f"row {row}: -k {expression}"
 
 
 def test_lesson_0s_four_calls_are_a_file_that_runs_and_the_page_quotes_it():

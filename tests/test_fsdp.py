@@ -1,7 +1,12 @@
 """fsdp.py: sharding the model over N ranks trains to the same weights as one device; its
-sharded checkpoints resume on any number of ranks; each rank holds 1/N of the training state."""
+sharded checkpoints resume on any number of ranks; each rank holds 1/N of the training state.
+Its by-hand twin, from_scratch/fsdp.py (flat shards, all-gathers and reduce-scatters), equals it
+in float64, makes FSDP2's collectives, holds 1/N and frees each unit after use; its mistake is
+caught (the end of this file)."""
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import pickle
@@ -17,12 +22,14 @@ import common
 import plumbing.sharded
 from common import SimpleModel
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB,
-                      JOB_FLAGS, TOL, assert_checkpoints_resume_to_the_oracle,
+                      JOB_FLAGS, REPO, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, assert_profiled, early_runs, fp32_reference,
-                      fp64, launch_together, launched_runs, logged_losses, max_diff, moe,
-                      needs_cuda, ok, refused_in_one_line, run_as_only_rank, succeeded,
-                      summary_val_loss, torchrun, torchrun_cmd)
+                      assert_norms_are_the_oracles, assert_profiled, early_results,
+                      fp32_reference, fp64, launch_together, load_saved, logged_losses,
+                      logged_norms, logged_step_losses, logged_val_losses, max_diff, moe,
+                      mutated, needs_2_gpus, needs_cuda, ok, ranks_cmd, refused_in_one_line,
+                      run_as_only_rank, run_commands, succeeded, summary_val_loss, torchrun,
+                      torchrun_cmd)
 
 # bf16 compute, fp32 reduction and weights: the final loss measured 4.9e-6 from fp32's, relative
 # (docs/proofs.md).
@@ -32,6 +39,9 @@ SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
 MIXTURE = moe(5, 2)
 HSDP = "fp64, spawn 4 ranks, HSDP 2x2, reshard false, clip, CUDA's Adam, 5 experts, top-2"
+HAND = "from_scratch/fsdp.py"  # the by-hand twin: flat shards, all-gathers, reduce-scatters
+HAND_3 = "by hand: fp64, 3 ranks, accum 3, AC"
+HAND_2 = "by hand: fp64, 2 ranks, reshard false, clip, CUDA's Adam, 5 experts, top-2"
 RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python fsdp.py`; extra flags)
     # fp32, what users run: the short job; also writes a sharded checkpoint every 4 steps,
     # which the damaged-checkpoint tests below break in every way
@@ -52,18 +62,39 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python fsdp.py`; extr
     # over all 4 ranks' routing
     HSDP: (None, [CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *MIXTURE[0],
                   "--replicate=2", "--reshard-after-forward=false", "--checkpoint={folder}/hsdp"]),
+    # The by-hand twin, with the 3-rank run's flags (its checkpoints aside: fsdp.py's), traced
+    HAND_3: (3, [*fp64(SEED_A), "--accum-steps=3", "--activation-checkpointing",
+                 "--profile={folder}/hand_trace"], HAND),
+    # and the HSDP run's model, seed and clipping, and its gathered weights kept from forward
+    # to backward, on 2 ranks of plain FSDP (its --replicate is fsdp.py's), traced
+    HAND_2: (2, [CUDA_DEFAULTS, *fp64(SEED_B, clip=FP64_CLIP), *MIXTURE[0],
+                 "--reshard-after-forward=false", "--profile={folder}/hand_trace_2"], HAND),
 }
 FP64_RUNS = {"fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),  # name: (seed, clip, mixture)
              HSDP: (SEED_B, FP64_CLIP, MIXTURE[1])}
+TWINS = {HAND_3: "fp64, 3 ranks, accum 3, AC", HAND_2: HSDP}  # by hand: fsdp.py's run beside it
 
 
-early_launches = early_runs("fsdp.py", RUNS)  # queued when the tests are collected
+def early_launches(folder):
+    """RUNS, and the by-hand twin's mistakes (HAND_MISTAKES, below), each a copy in
+    folder/m<i>, 2 ranks, fp64, 4 steps: all queued when the tests are collected."""
+    commands, _ = run_commands("fsdp.py", RUNS, folder)
+    for i, (name, edits) in enumerate(HAND_MISTAKES.items()):
+        path = mutated(HAND, edits, folder / f"m{i}", name)
+        commands.append(ranks_cmd(2, path, *JOB_FLAGS, *fp64(SEED_A, steps=4),
+                                  f"--save={folder / f'm{i}' / 'w.pt'}"))
+    return commands, {"PYTHONPATH": str(REPO)}  # the copies live outside the repo: plumbing/
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def early():
+    return early_results(__name__)
+
+
+@pytest.fixture(scope="module")
+def runs(early, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp")
-    launched = launched_runs(__name__, "fsdp.py", RUNS)
+    launched = dict(zip(RUNS, zip(early[1], run_commands("fsdp.py", RUNS, early[0])[1])))
     # one rank, as torchrun's only worker, in this process: bf16 compute, fp32 state
     return {**launched, "1 rank, bf16": ((run_as_only_rank(
         "fsdp", ["--mixed-precision=bf16"], folder)), None)}
@@ -350,3 +381,205 @@ def test_evaluation_on_6_ranks_forwards_no_empty_batch_and_counts_only_real_samp
     fsdp.evaluate(model, common.make_dataset("val"), 5, 6, 6 * 83, torch.device("cpu"))
     assert forwarded == [83, 83, 1]
     assert counted == [166 * common.SEQ_LEN]
+
+
+# The by-hand twin, from_scratch/fsdp.py: fully_shard's units, gathers and reduce-scatters
+
+def by_hand():
+    return importlib.import_module("from_scratch.fsdp")
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_fp64_fsdp_by_hand_equals_fsdp_py_and_the_fp64_oracle_and_prints_the_same_numbers(
+        name, runs):
+    """Beside fsdp.py's run of the same flags (3 ranks: 32 rows as 11, 11, 10, whose flat
+    buffers pad to 3 equal shards; 3 micro-batches; recomputed blocks), or of the same model,
+    seed and clipping (the HSDP run, 2 x 2 ranks, against 2 ranks by hand): within 1e-12 of its
+    weights, the same printed losses, gradient norms and validation losses, and within the
+    fp64 oracle's bound of one device. Measured on 2 ranks, unclipped: to the bit. On 3,
+    1.1e-15: fsdp.py lays each parameter's rows out in the reduce-scatter's buffer, by hand
+    each rank's 1/3 is one piece of the flat buffer, and gloo adds 3 ranks' values in an order
+    that depends on where they lie; and FSDP2 divides float64 by 2 before the sum and by 1.5
+    after it, by hand by 3 after."""
+    seed, clip, mixture = FP64_RUNS[TWINS[name]]
+    out, weights = succeeded(runs[TWINS[name]])
+    hand_out, hand = succeeded(runs[name])
+    assert f"fsdp by hand: {2 if name == HAND_2 else 3} ranks" in hand_out
+    diff = max_diff(hand, weights)
+    print(f"by hand: max weight difference {diff:.2e} from fsdp.py")  # pytest -s
+    assert diff <= 1e-12
+    assert logged_step_losses(hand_out) == logged_step_losses(out)
+    assert logged_norms(hand_out) == logged_norms(out)
+    assert logged_val_losses(hand_out) == logged_val_losses(out)
+    assert_fp64_run_equals_the_fp64_oracle((hand_out, hand), seed, clip=clip, **mixture)
+
+
+GATHER, REDUCE_SCATTER = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
+
+
+def collectives(trace, ranks):
+    """[(all-gathers, reduce-scatters) of each recorded step, on each of `ranks`] of
+    --profile's traces: the ops all_gather_into_tensor and reduce_scatter_tensor record (FSDP2's
+    too)."""
+    counts = []
+    for rank in ranks:
+        events = [e for e in json.loads((trace / f"trace_rank{rank}.json").read_text())[
+            "traceEvents"] if e.get("ph") == "X"]
+        for step in (e for e in events if e["name"].startswith("ProfilerStep#")):
+            names = [e["name"] for e in events
+                     if step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+            counts.append((names.count(GATHER), names.count(REDUCE_SCATTER)))
+    return counts
+
+
+def test_by_hand_all_gathers_each_unit_twice_per_micro_batch_and_reduce_scatters_it_once(runs):
+    """Per step of K micro-batches over B blocks and the root, as FSDP2 does with
+    reshard_after_forward=True (which fsdp.py passes to the root too): each of the B + 1 units
+    all-gathered before its forward and again before its backward, 2K(B + 1); reduce-scattered
+    once, after the last micro-batch's backward, B + 1. Counted in fsdp.py's trace and the
+    twin's (every rank of it), in each of the 3 recorded steps: 24 and 4. The weights kept
+    from forward to backward (--reshard-after-forward false, 1 micro-batch): K(B + 1), as
+    ZeRO-2 gathers."""
+    blocks, accum = JOB["blocks"], 3
+    theory = (2 * accum * (blocks + 1), blocks + 1)
+    assert collectives(runs[HAND_3][1].parent / "hand_trace", range(3)) == [theory] * 3 * 3
+    assert collectives(runs["fp64, 3 ranks, accum 3, AC"][1].parent / "trace", [0]) == [theory] * 3
+    assert collectives(runs[HAND_2][1].parent / "hand_trace_2", [0]) == [(blocks + 1,
+                                                                          blocks + 1)] * 3
+
+
+def gathers(hand, keep, as_torchrun, fake_world, monkeypatch):
+    """Train `hand` (the twin, or a copy of it) as rank 0 of 3 in this process, 2 steps of 2
+    micro-batches, the gathered weights kept (keep) or not: (its units, and at each gather: the
+    unit and the units then whole, its stdout). Torch's test backend: collectives that do
+    nothing, so its numbers mean nothing here, its memory all."""
+    as_torchrun(3)
+    args = hand.parse_args([*JOB_FLAGS, "--steps=2", "--accum-steps=2",
+                            f"--reshard-after-forward={str(not keep).lower()}"])
+    fake_world(3, rank=0)
+    units, whole = [], []
+    init, gather = hand.Unit.__init__, hand.Unit.gather
+
+    def recorded_init(self, *a):
+        init(self, *a)
+        units.append(self)
+
+    def recorded_gather(self):
+        gather(self)
+        whole.append((units.index(self), {i for i, u in enumerate(units)
+                                          if u.full.untyped_storage().size()}))
+    monkeypatch.setattr(hand.Unit, "__init__", recorded_init)
+    monkeypatch.setattr(hand.Unit, "gather", recorded_gather)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        hand.train(args, 0, 3, torch.device("cpu"))
+    return units, whole, out.getvalue()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_by_hand_each_rank_holds_1_over_n_and_a_block_is_whole_only_while_it_runs(
+        keep, as_torchrun, fake_world, monkeypatch):
+    """The summary's state on rank 0 of 3: a shard of each unit, padded to a multiple of 3, of
+    the weights, their gradients and Adam's two moments, 4 x 4 bytes each (fp32): 1/3 of one
+    device's and the padding. Each time a unit is gathered, the only other unit whole is the
+    root (embeddings, head: first in forward, last in backward): a block is freed after its
+    forward and again after its backward. Kept (ZeRO-2's trade), each is freed after its
+    backward only. After the run, none is whole (gathers: the run)."""
+    units, whole, out = gathers(by_hand(), keep, as_torchrun, fake_world, monkeypatch)
+    sizes = [sum(p.numel() for p in block.parameters()) for block in reference_blocks()]
+    assert [u.shard.numel() for u in units] == [-(-n // 3) for n in sizes]
+    assert state_mib(out) == pytest.approx(16 * sum(-(-n // 3) for n in sizes) / 2**20, abs=1e-3)
+    assert state_mib(out) == pytest.approx(16 * sum(sizes) / 3 / 2**20, abs=1e-3)
+    root = len(units) - 1  # gathered as a forward starts (and again as a backward starts)
+    assert all(others == {root} for unit, others in whole if unit == root)
+    if keep:  # by the first forward's end, every unit at once
+        assert whole[JOB["blocks"]] == (JOB["blocks"] - 1, set(range(len(units))))
+    else:
+        assert all(others <= {unit, root} for unit, others in whole)
+    assert not any(u.full.untyped_storage().size() for u in units)
+
+
+def reference_blocks():
+    """JOB's model cut as fully_shard cuts it: each block, then the root's own parameters."""
+    model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
+    root = torch.nn.ParameterList(p for n, p in model.named_parameters()
+                                  if not n.startswith("blocks."))
+    return [*model.blocks.values(), root]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicate=2"], "--replicate: not written by hand here; use fsdp.py"),
+    (["--mixed-precision=bf16"], "--mixed-precision: not written by hand here; use fsdp.py"),
+    (["--checkpoint=ckpt"], "--checkpoint: not written by hand here; use fsdp.py"),
+    (["--batch-size=64"], "--batch-size 64 must be divisible by world size 3"),  # fsdp.py's too
+])
+def test_by_hand_refuses_what_it_leaves_out_in_one_line(flags, message, as_torchrun, capsys):
+    as_torchrun(3)
+    refused_in_one_line("from_scratch.fsdp", flags, message, capsys)
+
+
+@needs_cuda
+def test_fsdp_by_hand_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
+    result = torchrun(1, HAND, *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+@needs_2_gpus
+def test_fp64_fsdp_by_hand_on_two_gpus_over_nccl_equals_the_fp64_oracle(tmp_path):
+    """Each unit's shards on 2 GPUs, all-gathered and reduce-scattered over NCCL, in float64,
+    3 micro-batches, clipped."""
+    result = torchrun(2, HAND, *CUDA_JOB_FLAGS, *fp64(SEED_A, clip=FP64_CLIP), "--accum-steps=3",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_fp64_run_equals_the_fp64_oracle((ok(result), load_saved(tmp_path / "w.pt")), SEED_A,
+                                           clip=FP64_CLIP)
+
+
+# The by-hand twin's mistakes (docs/exercises.md): each made in a copy of from_scratch/fsdp.py,
+# launched early, 2 ranks, fp64, 4 steps
+HAND_MISTAKES = {  # name: [(lines of the real file, the mistake in their place)]
+    "FSDP by hand: the gathered weights freed before backward": [(
+        "            output.register_hook(lambda grad: self.gather())\n", "")],
+}
+
+
+@pytest.fixture(scope="module")
+def hand_mistakes(early):
+    """{name: its result} of each of the by-hand twin's mistakes."""
+    return dict(zip(HAND_MISTAKES, early[1][len(RUNS):]))
+
+
+def test_by_hand_weights_freed_before_backward_stop_it_at_the_first_backward(hand_mistakes):
+    """Freed after forward and never gathered again: the graph still holds the views it saved
+    (a Linear's weight, for its input's gradient), now of storage of size 0. Every rank stops
+    at its first backward, in the head's, with torch's error, not with wrong numbers."""
+    result = hand_mistakes["FSDP by hand: the gathered weights freed before backward"]
+    assert result.returncode != 0
+    assert "out of bounds for storage of size 0" in result.stderr
+    assert "step     1/4" not in result.stdout
+
+
+def imported(path):
+    """The mutated copy at `path`, imported as a module of its own (not the real twin)."""
+    spec = importlib.util.spec_from_file_location(f"mutant_{path.parent.parent.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_by_hand_views_made_once_keep_every_block_whole_until_backward_ends(
+        tmp_path, as_torchrun, fake_world, monkeypatch):
+    """The weights' views made once, when the unit is built, not at each forward: the numbers
+    stay the same to the bit (measured), and the memory goes. Backward runs the graph's newest
+    nodes first; views older than all of it reach their unit's gradient only when backward
+    ends, so no block is freed after its backward: the last micro-batch's backward gathers
+    block 0 while every block is whole. In this process (gathers), as its test above."""
+    copy = imported(mutated(HAND, [(
+        "        self.free()\n        module.register_forward_pre_hook",
+        "        for (owner, leaf), view in zip(self.owners, self.views()):\n"
+        "            setattr(owner, leaf, view)\n"
+        "        self.free()\n        module.register_forward_pre_hook"), (
+        "        for (owner, leaf), view in zip(self.owners, self.views()):\n"
+        "            setattr(owner, leaf, view)\n\n    def after_forward", "\n    def after_forward")],
+        tmp_path, "FSDP by hand: the views made once"))
+    units, whole, _ = gathers(copy, False, as_torchrun, fake_world, monkeypatch)
+    assert (0, set(range(len(units)))) in whole

@@ -1,6 +1,8 @@
 """pipeline.py: pipelined stages and model parallelism train to the same weights as one
-device, and their checkpoints resume on any number of stages, or in single.py."""
+device, and their checkpoints resume on any number of stages, or in single.py. Its by-hand twin,
+from_scratch/pipeline.py (GPipe and 1F1B from send and recv), ends where pipeline.py ends."""
 
+import json
 import shutil
 
 import pytest
@@ -8,15 +10,17 @@ import torch
 
 from plumbing.compile import torch_older_than
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_JOB, FP64_SEEDS,
-                      JOB, TOL, assert_checkpoints_resume_to_the_oracle,
+                      FP64_TOL, JOB, JOB_FLAGS, REPO, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, assert_profiled, early_runs, fp64,
-                      launched_runs, logged_losses, max_diff, needs_2_gpus, needs_cuda, python,
-                      refused_in_one_line, run_as_only_rank, run_in_process, succeeded,
-                      summary_val_loss, torchrun)
+                      assert_norms_are_the_oracles, assert_profiled, early_results, fp64,
+                      fp64_reference, load_saved, logged_norms, logged_step_losses,
+                      logged_losses, max_diff, mutated, needs_2_gpus, needs_cuda, ok, python,
+                      ranks_cmd, refused_in_one_line, run_as_only_rank, run_commands,
+                      run_in_process, succeeded, summary_val_loss, torchrun)
 from reference import reference_train
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+BY_HAND = "from_scratch/pipeline.py"
 
 RUNS = {  # name: (stages: ranks, conftest.ranks_cmd; flags). Each schedule in fp32 and fp64.
     # fp32, what users run: the short job; traces steps 5-7, and writes a checkpoint every 4
@@ -44,6 +48,15 @@ RUNS = {  # name: (stages: ranks, conftest.ranks_cmd; flags). Each schedule in f
     # a V: rank 0 runs the first and the last stage, so the loss is on the inputs' rank
     "fp64, 2 ranks in a V, dualpipev, clip": (2, [*fp64(SEED_B, clip=FP64_CLIP), "--blocks=4",
                                                  "--schedule=dualpipev", "--microbatches=4"]),
+    # The by-hand twin, on two of the runs above with their flags (a trace and a checkpoint
+    # path of its own): each is compared with pipeline.py's run directly.
+    "by hand: fp64, 3 stages, 1f1b, AC": (3, [
+        *fp64(SEED_A), "--blocks=4", "--schedule=1f1b", "--microbatches=6",
+        "--activation-checkpointing", "--checkpoint={folder}/ckpt64_by_hand.pt",
+        "--profile={folder}/trace_by_hand_1f1b"], BY_HAND),
+    "by hand: fp64, 2 stages, gpipe, clip, CUDA's Adam": (2, [
+        CUDA_DEFAULTS, *fp64(SEED_B, clip=FP64_CLIP), "--schedule=gpipe", "--microbatches=3",
+        "--profile={folder}/trace_by_hand_gpipe"], BY_HAND),
 }
 FP64_RUNS = {  # name: (seed, clip, blocks)
     "fp64, 3 stages, 1f1b, AC": (SEED_A, None, 4),
@@ -58,12 +71,25 @@ if not V_ON_GLOO:
     del RUNS["fp64, 2 ranks in a V, dualpipev, clip"]
 
 
-early_launches = early_runs("pipeline.py", RUNS)  # queued when the tests are collected
+def early_launches(folder):  # queued when the tests are collected
+    """RUNS, and the by-hand twin's mistakes (below), each a copy in folder/m<i> that finds
+    common.py and plumbing/ on PYTHONPATH."""
+    mutants = [ranks_cmd(nproc, mutated(BY_HAND, edits, folder / f"m{i}", name), *JOB_FLAGS,
+                         *flags, f"--save={folder / f'm{i}' / 'w.pt'}")
+               for i, (name, (edits, nproc, flags)) in enumerate(BY_HAND_MISTAKES.items())]
+    return [*run_commands("pipeline.py", RUNS, folder)[0], *mutants], {"PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launched_runs(__name__, "pipeline.py", RUNS)
+def launched():
+    """(folder, results in order) of early_launches."""
+    return early_results(__name__)
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    folder, results = launched
+    return dict(zip(RUNS, zip(results, run_commands("pipeline.py", RUNS, folder)[1])))
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +258,173 @@ def test_pipeline_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
     result = torchrun(2, "pipeline.py", *CUDA_JOB_FLAGS, "--backend=nccl",
                       f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+# The by-hand twin: from_scratch/pipeline.py against pipeline.py with the same flags
+
+BY_HAND_PAIRS = {"by hand: fp64, 3 stages, 1f1b, AC": "fp64, 3 stages, 1f1b, AC",
+                 "by hand: fp64, 2 stages, gpipe, clip, CUDA's Adam":
+                     "fp64, 2 stages, gpipe, clip, CUDA's Adam"}
+
+
+@pytest.mark.parametrize("name", BY_HAND_PAIRS)
+def test_by_hand_ends_where_pipeline_py_ends_and_prints_its_numbers(name, runs):
+    """1F1B on 3 stages (4 blocks cut 1, 1, 2; 6 micro-batches; AC) and GPipe on 2 (3
+    micro-batches, clipped by the whole gradient's norm, CUDA's Adam): within 1e-12 of
+    pipeline.py with the same flags, within 1e-9 of one device, and every loss, gradient norm
+    and validation loss printed is pipeline.py's. Not bit-identical: each micro-batch's loss
+    is divided by 3 (or 6) before its backward, where the library divides the gradients'
+    sum once, after the last: two roundings (with 4 micro-batches, a power of two, both are
+    exact and the runs bit-identical)."""
+    wrapper = BY_HAND_PAIRS[name]
+    (out, weights), (theirs, their_weights) = succeeded(runs[name]), succeeded(runs[wrapper])
+    assert "pipeline by hand: " in out
+    assert max_diff(weights, their_weights) <= 1e-12
+    assert logged_step_losses(out) == logged_step_losses(theirs)
+    assert logged_norms(out) == logged_norms(theirs)
+    assert summary_val_loss(out) == summary_val_loss(theirs)
+    seed, clip, blocks = FP64_RUNS[wrapper]
+    assert_fp64_run_equals_the_fp64_oracle((out, weights), seed, clip=clip, blocks=blocks)
+
+
+def test_by_hand_checkpoint_holds_pipeline_py_s_weights_and_adam_state(runs):
+    """The same gather (plumbing/checkpoints.gather_full_state) over the same cut: the 1F1B
+    run's file, single.py's format, holds pipeline.py's weights and Adam moments to 1e-12, so
+    it resumes wherever pipeline.py's does (above)."""
+    folder = runs["fp64, 3 stages, 1f1b, AC"][1].parent
+    mine, theirs = (torch.load(folder / name, weights_only=True)
+                    for name in ("ckpt64_by_hand.pt", "ckpt64.pt"))
+    assert mine.keys() == theirs.keys() and mine["step"] == theirs["step"] == FP64_JOB["steps"]
+    assert max_diff(mine["model"], theirs["model"]) <= 1e-12
+    assert mine["optimizer"]["param_groups"] == theirs["optimizer"]["param_groups"]
+    for i, state in theirs["optimizer"]["state"].items():
+        assert max_diff(mine["optimizer"]["state"][i], state) <= 1e-12
+
+
+def step_in_theory(schedule, rank, stages, m):
+    """What `rank` does in one step, in order. Its forwards and backwards: gpipe every
+    forward, then every backward; 1f1b a warm-up of stages - rank - 1 forwards, then a forward
+    and a backward in turn, then the backwards left (cool-down). A forward receives its
+    activations from the stage before ("recv"; not on the first) and sends its own on
+    ("send"; not on the last); a backward receives its output's gradient from the stage after
+    (not on the last) and sends its input's gradient back (not on the first)."""
+    forwards, backwards = [f"Forward {i}" for i in range(m)], [f"Backward {i}" for i in range(m)]
+    if schedule == "gpipe":
+        order = forwards + backwards
+    else:
+        warm = stages - rank - 1
+        order = forwards[:warm]
+        for forward, backward in zip(forwards[warm:], backwards):
+            order += [forward, backward]
+        order += backwards[m - warm:]
+    first, last, events = rank == 0, rank == stages - 1, []
+    for name in order:
+        receives, sends = (not first, not last) if name.startswith("F") else (not last, not first)
+        events += ["recv"] * receives + [name] + ["send"] * sends
+    return events
+
+
+def traced_steps(folder, rank):
+    """The recorded steps of `rank`'s trace, each as its "Forward i" and "Backward i" marks
+    and its sends and receives, in order of time."""
+    events = sorted((e for e in json.loads((folder / f"trace_rank{rank}.json").read_text())[
+        "traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    p2p = {"gloo:send": "send", "gloo:recv": "recv"}
+    return [[p2p.get(e["name"], e["name"]) for e in events
+             if step["ts"] <= e["ts"] < step["ts"] + step["dur"]
+             and (e["name"] in p2p or e["name"].startswith(("Forward ", "Backward ")))]
+            for step in events if step["name"].startswith("ProfilerStep#")]
+
+
+def in_order(events):
+    """The sends and receives between two marks sorted: started in one batch, their order in
+    time is a tie."""
+    runs_, out = [], []
+    for event in events + [None]:
+        if event in ("send", "recv"):
+            runs_.append(event)
+            continue
+        out += sorted(runs_) + ([event] if event else [])
+        runs_ = []
+    return out
+
+
+@pytest.mark.parametrize("name, schedule, stages, m", [
+    ("by hand: fp64, 3 stages, 1f1b, AC", "1f1b", 3, 6),
+    ("by hand: fp64, 2 stages, gpipe, clip, CUDA's Adam", "gpipe", 2, 3)])
+def test_by_hand_sends_receives_and_runs_each_micro_batch_in_the_schedule_s_order(
+        name, schedule, stages, m, runs):
+    """From the --profile trace (3 steps per rank): each rank's forwards and backwards in the
+    schedule's order (step_in_theory), each received input just before the forward or backward
+    that needs it, each output sent just after: per step and stage boundary, m activations
+    forward and m gradients back, so a rank with two neighbours sends 2m and receives 2m. And
+    what the order means for memory: at most m micro-batches' activations held with gpipe,
+    stages - rank with 1f1b."""
+    folder = runs[name][1].parent / f"trace_by_hand_{schedule}"
+    for rank in range(stages):
+        theory = step_in_theory(schedule, rank, stages, m)
+        neighbours = (rank > 0) + (rank < stages - 1)
+        assert theory.count("send") == theory.count("recv") == m * neighbours
+        steps = traced_steps(folder, rank)
+        assert len(steps) == 3
+        for events in steps:
+            assert in_order(events) == in_order(theory), rank
+        held, most = 0, 0  # micro-batches between their forward and their backward
+        for event in steps[0]:
+            held += event.startswith("Forward") - event.startswith("Backward")
+            most = max(most, held)
+        assert most == (m if schedule == "gpipe" else stages - rank)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--schedule=interleaved-1f1b"], "--schedule interleaved-1f1b runs several stages per "
+     "rank; by hand, gpipe and 1f1b run one: use pipeline.py"),
+    (["--schedule=zbv"], "--schedule zbv runs several stages per rank"),
+    (["--stages-per-rank=2"], "--stages-per-rank 2: by hand, one stage per rank; use "
+     "pipeline.py")])
+def test_by_hand_refuses_more_than_one_stage_per_rank_in_one_line(flags, message, as_torchrun,
+                                                                   capsys):
+    as_torchrun(2)
+    refused_in_one_line("from_scratch.pipeline", flags, message, capsys)
+
+
+@needs_2_gpus
+def test_by_hand_1f1b_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
+    """NCCL runs a rank's operations with one peer in order: 1F1B's facing sends (an
+    activation on, a gradient back) need exchange()'s one batch. No 1-GPU test: a pipeline
+    of one stage per rank needs a GPU per rank (NCCL cannot put two ranks on one), and one
+    process is pipeline.py's model parallelism, unchanged (tested above)."""
+    result = torchrun(2, BY_HAND, *CUDA_JOB_FLAGS, "--backend=nccl", "--schedule=1f1b",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert "pipeline by hand: 2 ranks" in result.stdout
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+# The by-hand twin's mistakes
+
+BY_HAND_MISTAKES = {  # name: (edits of from_scratch/pipeline.py, ranks, flags)
+    "by hand: the micro-batches' losses not divided by their count": ([(
+        "                    outputs[i] = loss / m\n",
+        "                    outputs[i] = loss  # (mistake) each micro-batch's mean, whole\n")],
+        2, [*fp64(SEED_A, steps=4), "--microbatches=4"]),
+}
+
+
+def by_hand_mistake(name, launched):
+    """(stdout, saved weights) of the launched mistake `name`."""
+    folder, results = launched
+    i = list(BY_HAND_MISTAKES).index(name)
+    return ok(results[len(RUNS) + i]), load_saved(folder / f"m{i}" / "w.pt")
+
+
+def test_by_hand_micro_batch_losses_not_divided_add_up_to_m_times_the_gradient(launched):
+    """4 micro-batches' gradients add up to 4 times the batch's. The first step's loss is one
+    device's (the forward is right), and Adam, dividing each gradient entry by its own size,
+    almost undoes the scale: the loss curve hides it. The printed gradient norm is 4 times
+    one device's, and in fp64 the weights part from it."""
+    out, weights = by_hand_mistake(
+        "by hand: the micro-batches' losses not divided by their count", launched)
+    _, expected, losses, norms, _ = fp64_reference(SEED_A, 4)
+    assert logged_step_losses(out)[1] == pytest.approx(losses[0], abs=1e-6)
+    assert logged_norms(out)[1] == pytest.approx(4 * norms[0], rel=1e-6)
+    assert max_diff(weights, expected) > FP64_TOL

@@ -2,8 +2,11 @@
 trains to the same weights as one device; its checkpoints resume on another mesh; each rank
 holds its share; one TP forward and backward make exactly the theory's collectives; a TP group
 fed different data on its ranks would be caught; a head tied to the embedding stays one tensor
-and trains as one device trains it, and a plan that would split it, or cut nothing, stops."""
+and trains as one device trains it, and a plan that would split it, or cut nothing, stops. Its
+by-hand twin, from_scratch/tp.py (Megatron-LM's f and g on plain tensors), equals it in float64
+and makes Megatron-LM's collectives; its mistakes are caught (the end of this file)."""
 
+import importlib
 import re
 import shutil
 
@@ -15,18 +18,25 @@ import common
 import plumbing.ranks
 from common import SEQ_LEN, VOCAB, SimpleModel
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, FP64_TOL,
-                      JOB, TOL, assert_checkpoints_resume_to_the_oracle,
+                      JOB, JOB_FLAGS, REPO, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      logged_norms, logged_step_losses, max_diff, needs_cuda, ok,
-                      refused_in_one_line, run_as_only_rank, run_in_process, succeeded,
-                      summary_val_loss, torchrun)
+                      assert_norms_are_the_oracles, early_results, fp64, fp64_reference,
+                      load_saved, logged_losses, logged_norms, logged_step_losses,
+                      logged_val_losses, max_diff, mutated, needs_2_gpus, needs_cuda, ok,
+                      ranks_cmd, refused_in_one_line, run_as_only_rank, run_commands,
+                      run_in_process, succeeded, summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
 # TP cuts whole heads, so T must divide --heads: JOB's 3 heads on TP 3 (one head per rank), and
 # 4 heads (JOB's width, 24, in heads of 6) where T is 2 or 4.
 HEADS = 4
+HAND = "from_scratch/tp.py"  # the by-hand twin: Megatron-LM's f and g on plain tensors
+# `python tp.py` starts its own 2 workers, plain TP; they accumulate 2 micro-batches per step,
+# through blocks that recompute their activations (compiling is proven in single.py: on a
+# 2-core CPU it costs each process seconds). The by-hand twin runs with the same flags.
+SPAWN_2 = [CUDA_DEFAULTS, "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
+           "--activation-checkpointing"]
 RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra flags)
     # fp32, what users run: pure TP, each block cut in 3 (one head per rank), on the short job
     "3 ranks, tp 3": (3, []),
@@ -38,23 +48,46 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra 
         CUDA_DEFAULTS, *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2",
         "--sequence-parallel",
         "--loss-parallel", "--accum-steps=2", "--checkpoint={folder}/2d"]),
-    # `python tp.py` starts its own 2 workers, plain TP; they accumulate 2 micro-batches per
-    # step, through blocks that recompute their activations (compiling is proven in
-    # single.py: on a 2-core CPU it costs each process seconds)
-    "fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam": (None, [
-        CUDA_DEFAULTS, "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--accum-steps=2",
-        "--activation-checkpointing"]),
+    "fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam": (None, SPAWN_2),
+    # the by-hand twin, compared with the run above directly
+    "by hand: fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam": (None, SPAWN_2, HAND),
+    # and on 3 ranks, one head each, 3 micro-batches, clipped by the whole gradient's norm
+    "by hand: fp64, 3 ranks, tp 3, accum 3, clip": (3, [*fp64(SEED_A, clip=FP64_CLIP),
+                                                        "--accum-steps=3"], HAND),
 }
-FP64_RUNS = {name: (seed, clip) for name, seed, clip in  # name: (seed, clip)
-             zip(list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None))}
+FP64_RUNS = dict(zip(list(RUNS)[1:], [  # name: (seed, clip, heads)
+    (SEED_A, FP64_CLIP, HEADS), (SEED_B, None, HEADS), (SEED_B, None, HEADS),
+    (SEED_A, FP64_CLIP, JOB["heads"])]))
 
 
-early_launches = early_runs("tp.py", RUNS)  # queued when the tests are collected
+def early_launches(folder):
+    """RUNS, and the by-hand twin's mistakes (HAND_MISTAKES, below), each a copy in
+    folder/m<i>: all queued when the tests are collected."""
+    commands, _ = run_commands("tp.py", RUNS, folder)
+    for i, (name, edits) in enumerate(HAND_MISTAKES.items()):
+        path = mutated(HAND, edits, folder / f"m{i}", name)
+        commands.append(ranks_cmd(2, path, *JOB_FLAGS, *fp64(SEED_A, steps=4),
+                                  f"--heads={HEADS}", f"--save={folder / f'm{i}' / 'w.pt'}"))
+    return commands, {"PYTHONPATH": str(REPO)}  # the copies live outside the repo: plumbing/
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launched_runs(__name__, "tp.py", RUNS)
+def early():
+    return early_results(__name__)
+
+
+@pytest.fixture(scope="module")
+def runs(early):
+    folder, results = early
+    return dict(zip(RUNS, zip(results, run_commands("tp.py", RUNS, folder)[1])))
+
+
+@pytest.fixture(scope="module")
+def hand_mistakes(early):
+    """{name: (stdout, saved weights)} of each of the by-hand twin's mistakes."""
+    folder, results = early
+    return {name: (ok(result), load_saved(folder / f"m{i}" / "w.pt")) for i, (name, result)
+            in enumerate(zip(HAND_MISTAKES, results[len(RUNS):]))}
 
 
 def test_tp_on_3_ranks_with_one_head_each_equals_one_device_in_fp32(runs, reference,
@@ -80,8 +113,8 @@ def test_a_clipped_2d_run_says_nothing_that_sounds_like_a_bug(runs):
 
 @pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_tp_sp_lp_2d_clipping_and_accumulation_equal_the_fp64_oracle(name, runs):
-    seed, clip = FP64_RUNS[name]
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=HEADS)
+    seed, clip, heads = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=heads)
 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
@@ -142,7 +175,8 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
     expect = {  # name: (bytes per number, parameters held)
         "3 ranks, tp 3": (4, cut / 3 + every - cut),
         "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam": (
-            8, cut_lp / 4 + (every - cut_lp) / 2)}
+            8, cut_lp / 4 + (every - cut_lp) / 2),
+        "by hand: fp64, 3 ranks, tp 3, accum 3, clip": (8, cut / 3 + every - cut)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,
                                                                     abs=1e-3), name
@@ -361,3 +395,182 @@ def test_a_tp_group_that_would_span_machines_is_refused(as_torchrun, capsys, mon
 def test_tp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
     result = torchrun(1, "tp.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+# The by-hand twin, from_scratch/tp.py: each layer's slice and communication written out
+
+def by_hand():
+    return importlib.import_module("from_scratch.tp")
+
+
+def test_fp64_tp_by_hand_equals_tp_py_and_prints_the_same_numbers(runs):
+    """The twin of tp.py's spawned run, with its flags (2 ranks, 2 micro-batches, recomputed
+    blocks, CUDA's Adam): the same weights (to the bit where every operation is the one
+    DTensor runs, in its order: b/T added before the all-reduce, the same gloo sums; 1e-12
+    allows another order), the same printed losses, gradient norms and validation losses,
+    and the same state per rank (1/T of each cut layer, the rest whole). Against the fp64
+    oracle: FP64_RUNS."""
+    out, weights = succeeded(runs["fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam"])
+    hand_out, hand = succeeded(runs["by hand: fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam"])
+    assert "tp by hand: 2 ranks" in hand_out
+    diff = max_diff(hand, weights)
+    print(f"by hand: max weight difference {diff:.2e} from tp.py")  # pytest -s
+    assert diff <= 1e-12
+    assert logged_step_losses(hand_out) == logged_step_losses(out)
+    assert logged_norms(hand_out) == logged_norms(out)
+    assert logged_val_losses(hand_out) == logged_val_losses(out)
+    assert state_mib(hand_out) == state_mib(out)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_by_hand_each_rank_holds_1_over_t_of_each_cut_layer_marked_with_its_dim(tp, fake_group):
+    """What tp.py's plan cuts, cut alike: q, k, v and up by output rows (dim 0, their biases
+    too), o and down by input columns (dim 1), each slice marked with its dim (--save gathers
+    along it); the rest whole and unmarked."""
+    fake_group(1, tp)
+    model = by_hand().parallelize(SimpleModel(hidden=32, blocks=2, heads=4), dist.group.WORLD)
+    whole = dict(SimpleModel(hidden=32, blocks=2, heads=4).named_parameters())
+    for name, p in model.named_parameters():
+        assert p.numel() / whole[name].numel() == (1 / tp if cut_by_tp(name) else 1), name
+        assert getattr(p, "tp_dim", None) == (
+            None if not cut_by_tp(name) else 1 if name.endswith("weight") and (
+                ".o." in name or ".down." in name) else 0), name
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_by_hand_each_micro_batch_makes_two_all_reduces_per_block_each_way_and_the_norm_one(
+        blocks, fake_group):
+    """Megatron-LM's f and g, counted as tp.py's collectives are (torch's CommDebugMode, a
+    group whose collectives do nothing): per block and micro-batch, forward all-reduces the
+    partial sums after `o` and `down` (g), backward the gradient of the block's input before
+    attention (q, k and v together) and before `up` (f); two micro-batches make it twice.
+    Clipping's norm: one all-reduce of the slices' squares; Adam: none."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from common import loss_fn
+    hand = by_hand()
+    fake_group(1, 2)
+    model = hand.parallelize(SimpleModel(hidden=32, blocks=blocks, heads=4), dist.group.WORLD)
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randint(VOCAB, (8, SEQ_LEN))
+    modes = []
+    for _ in range(2):  # one mode each: its module tracker follows one forward and backward
+        with CommDebugMode() as forward:
+            loss = loss_fn(model(x), x)
+        with CommDebugMode() as backward:
+            loss.backward()
+        modes += [forward, backward]
+    with CommDebugMode() as step:
+        hand.clip_grad_norm(model, 1.0, dist.group.WORLD)
+        optimizer.step()
+    counts = [{KINDS[str(op).split(".")[-1]]: n for op, n in mode.get_comm_counts().items()}
+              for mode in [*modes, step]]
+    assert counts == [{"all-reduce": 2 * blocks}] * 4 + [{"all-reduce": 1}]
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (4, ["--tp=2"], "--tp 2: 2D (FSDP across TP groups) is not written by hand; use tp.py --tp 2"),
+    (2, ["--sequence-parallel"], "--sequence-parallel: not written by hand; use tp.py"),
+    (2, ["--loss-parallel"], "--loss-parallel: not written by hand; use tp.py"),
+    (2, ["--checkpoint=ckpt"], "--checkpoint: not written by hand; use tp.py"),
+    (3, ["--tp=3", "--heads=4"], "--tp 3 must divide --heads 4"),  # tp.py's checks too
+    (2, ["--heads=6"], "--heads 6 must divide --hidden 64"),
+])
+def test_by_hand_refuses_what_it_leaves_out_in_one_line(world, flags, message, as_torchrun,
+                                                        capsys):
+    as_torchrun(world)
+    refused_in_one_line("from_scratch.tp", flags, message, capsys)
+
+
+class EmbeddingCut(SimpleModel):
+    tp_plan = {**SimpleModel.tp_plan, "embed": "colwise"}  # tp.py cuts it; by hand, no
+
+
+def test_by_hand_a_plan_that_cuts_an_embedding_stops_in_one_line(fake_group):
+    fake_group(1, 2)
+    with pytest.raises(SystemExit, match="tp_plan cuts embed, a Embedding; by hand only "
+                                         "nn.Linear is cut: use tp.py"):
+        by_hand().parallelize(EmbeddingCut(hidden=32, blocks=2, heads=4), dist.group.WORLD)
+
+
+class TiedCut(TiedHead):
+    tp_plan = {**SimpleModel.tp_plan, "output": "colwise"}  # the head, tied to the embedding
+
+
+class Odd(SimpleModel):
+    """Its MLP 3 units wider: 4 x 32 + 3 inner units, which 2 ranks cannot halve."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for block in self.blocks.values():
+            block.up = torch.nn.Linear(32, 131)
+            block.down = torch.nn.Linear(131, 32)
+
+
+@pytest.mark.parametrize("model, message", [
+    (TiedCut, "tp_plan cuts a tied weight, which would train as two copies apart"),
+    (Odd, "Linear weight of 131 features on 2 ranks; use a count that divides it")])
+def test_by_hand_a_tied_weight_cut_or_a_width_t_does_not_divide_stops_in_one_line(
+        model, message, fake_group):
+    """A user's model, refused where the twin would train it silently apart from one device:
+    a cut tied weight would become two tensors, an uneven chunk slices no rank expects."""
+    fake_group(1, 2)
+    with pytest.raises(SystemExit, match=message):
+        by_hand().parallelize(model(hidden=32, blocks=2, heads=4), dist.group.WORLD)
+
+
+@needs_cuda
+def test_tp_by_hand_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
+    result = torchrun(1, HAND, *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
+    assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
+
+
+@needs_2_gpus
+def test_fp64_tp_by_hand_on_two_gpus_over_nccl_equals_the_fp64_oracle(tmp_path):
+    """Each block cut in 2 over NCCL, in float64 (4 heads: 2 each): f and g between GPUs."""
+    result = torchrun(2, HAND, *CUDA_JOB_FLAGS, *fp64(SEED_A), f"--heads={HEADS}",
+                      f"--save={tmp_path / 'w.pt'}")
+    assert_fp64_run_equals_the_fp64_oracle((ok(result), load_saved(tmp_path / "w.pt")), SEED_A,
+                                           heads=HEADS)
+
+
+# The by-hand twin's mistakes (docs/exercises.md): each made in a copy of from_scratch/tp.py
+# (and of common.py), launched early, 2 ranks, fp64, 4 steps
+HAND_MISTAKES = {  # name: [(lines of the real file, the mistake in their place)]
+    "TP by hand: the row-parallel bias's gradient divided by T": [(
+        "        bias = bias.detach() / group.size() + (bias - bias.detach())\n",
+        "        bias = bias / group.size()\n")],
+    "TP by hand: the heads not divided": [(
+        "common.py",
+        "        self.head_width = hidden // heads\n",
+        "        self.heads = heads\n"), (
+        "common.py",
+        "        q, k, v = (proj(x).view(batch, seq, -1, self.head_width).transpose(1, 2)\n",
+        "        q, k, v = (proj(x).view(batch, seq, self.heads, -1).transpose(1, 2)\n")],
+}
+
+
+def hand_distance(weights):
+    diff = max_diff(weights, fp64_reference(SEED_A, 4, heads=HEADS)[1])
+    print(f"max weight difference {diff:.2e} from the fp64 oracle")  # pytest -s
+    return diff
+
+
+def test_by_hand_a_row_parallel_bias_written_b_over_t_trains_and_misses_the_oracle(
+        hand_mistakes):
+    """`bias / T` on each rank, summed by g: the forward is right (b), and autograd divides
+    b's gradient by T too, so o's and down's biases get half their gradient here. It trains,
+    every printed loss one device's to its 6 decimals; the printed gradient norm is not, and
+    the weights are not."""
+    out, weights = hand_mistakes["TP by hand: the row-parallel bias's gradient divided by T"]
+    _, _, losses, norms, _ = fp64_reference(SEED_A, 4, heads=HEADS)
+    assert logged_step_losses(out) == {step: pytest.approx(losses[step - 1], abs=1e-6)
+                                       for step in (1, 4)}
+    assert logged_norms(out)[1] != pytest.approx(norms[0], rel=1e-6)
+    assert hand_distance(weights) > FP64_TOL
+
+
+def test_by_hand_attention_that_counts_its_heads_splits_a_slice_into_too_many(hand_mistakes):
+    """A rank's q, k and v hold H/T heads; attention that splits them into H (each 1/T wide)
+    fits the shapes and computes something else. Split by a head's width, it counts H/T."""
+    _, weights = hand_mistakes["TP by hand: the heads not divided"]
+    assert hand_distance(weights) > FP64_TOL
