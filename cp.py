@@ -296,7 +296,7 @@ def train(args, rank, world_size, device):
     where = positions.to(device)  # and on the device, the position embedding's input
     # --- end ---
     # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
-    # (each bucket, 25 MB, the first 1, as soon as backward has made it; .grad views into them)
+    # (each bucket, 25 MB, the first 1 MB, as soon as backward has made it; .grad views into it)
     # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average to
     # the gradient of the batch's mean loss.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,

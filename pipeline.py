@@ -34,7 +34,7 @@ When not
 Launch
     python pipeline.py                         # starts its stages: one per GPU, or 2 on a CPU
     torchrun --nproc_per_node=2 pipeline.py    # what clusters use; same flags after the script
-    torchrun --nproc_per_node=3 pipeline.py --schedule 1f1b --microbatches 6
+    torchrun --nproc_per_node=3 pipeline.py --schedule 1f1b --microbatches 6 --batch-size 60
     python pipeline.py --nproc 1 --stages 2    # model parallel: one process drives 2 stages
     python pipeline.py --fp64                  # float64: within 1e-9 of single.py --fp64
     # survive a crash: torchrun restarts the group, which resumes from the checkpoint

@@ -132,7 +132,7 @@ def train(args, rank, world_size, device):
     # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
-    # (each bucket, 25 MB, the first 1, as soon as backward has made it; .grad views into them)
+    # (each bucket, 25 MB, the first 1 MB, as soon as backward has made it; .grad views into it)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end ---

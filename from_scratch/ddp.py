@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common.py, plumbing/
+# common.py and plumbing/ are one folder up, in the collection's root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
 from plumbing.flags import (check_shared_flags, compile_and_checkpoint, launch_world, positive,
@@ -175,7 +176,8 @@ class Reducer:
         bucket["left"] -= 1
         # Launched in bucket order only, whatever order the hooks came in: all-reduces pair
         # up by their order on each rank, so bucket 1 on one rank would meet bucket 0 on
-        # another: unrelated gradients summed, or a size mismatch (gloo stops, NCCL hangs).
+        # another: unrelated gradients summed, or a size mismatch (gloo stops; NCCL, which
+        # checks no size, would wait for --timeout: not run here).
         while self.next < len(self.buckets) and self.buckets[self.next]["left"] == 0:
             bucket = self.buckets[self.next]
             bucket["work"] = dist.all_reduce(bucket["flat"], async_op=True)

@@ -28,7 +28,7 @@ Where fsdp.py (FSDP2) differs
     GPU on streams of its own, overlapping compute), here one unit after another; it divides
     float64 gradients partly before the sum (by a power of 2 near sqrt(N), against overflow)
     and the rest after, here by N after. The same numbers all the same: bit-identical to
-    fsdp.py on 2 ranks (unclipped), within ~1e-15 on 3 (tests/test_fsdp.py says why).
+    fsdp.py on 2 ranks (unclipped), within the last bits on 3 (docs/from_scratch.md says why).
 
 Leaves out
     --replicate (HSDP), --mixed-precision and --checkpoint (each refused in one line: use
@@ -62,14 +62,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common.py, plumbing/
+# common.py and plumbing/ are one folder up, in the collection's root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import launch, leave, rendezvous
+from plumbing.ranks import fail, launch, leave, rendezvous
 
 
 def parse_args(argv=None):
@@ -157,7 +158,7 @@ class Unit:
 
     def __init__(self, model, name, source, device, reshard_after_forward):
         module, prefix = model.get_submodule(name), name + "." if name else ""
-        params = [(n, p) for n, p in module.named_parameters() if not n.endswith("shard")]
+        params = [(n, p) for n, p in module.named_parameters() if not hasattr(p, "unit")]
         self.names = [prefix + n for n, _ in params]  # as one device's state_dict names them
         self.shapes, self.numels = [p.shape for _, p in params], [p.numel() for _, p in params]
         world_size, numel = dist.get_world_size(), sum(self.numels)
@@ -176,6 +177,7 @@ class Unit:
             owner, _, leaf = n.rpartition(".")
             self.owners.append((module.get_submodule(owner), leaf))
             delattr(*self.owners[-1])  # no longer a Parameter: Adam never sees it
+        module.shard.unit = self  # marked: the next unit up (the root) leaves it out
         self.shard, self.reshard_after_forward = module.shard, reshard_after_forward
         self.sync = True  # reduce-scatter after backward (the loop's last micro-batch)
         self.free()
@@ -249,7 +251,11 @@ def train(args, rank, world_size, device):
         seed_everything(args.seed)
         full = SimpleModel.from_args(args).to(dtype).requires_grad_(False)  # values only
     # Each Block is one unit, all-gathered just before it runs and freed after: only the running
-    # block is whole. Blocks first, then the root: what they leave (embeddings, final norm, head).
+    # block and the root are whole. Blocks first, then the root: what they leave (embeddings,
+    # final norm, head).
+    if len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False))):
+        fail("from_scratch/fsdp.py: error: the model ties weights, which two units or two views "
+             "would hold apart; untie them, or use fsdp.py")
     model.units = [Unit(model, f"blocks.{name}", full, device, not keep)
                    for name in model.blocks] + [Unit(model, "", full, device, not keep)]
     # --- end ---

@@ -17,8 +17,9 @@ What it teaches
 
     Where the library differs: it divides the summed gradients once, after the last backward
     (with 3 or 6 micro-batches the two round differently; with a power of two the runs are
-    bit-identical). Both start a stage's sends with its next receive in one
-    batch_isend_irecv, as NCCL needs; the library waits for a send later, this at once.
+    bit-identical). Its 1F1B starts a stage's sends with its next receive in one
+    batch_isend_irecv, as NCCL needs where two stages send to each other at once (its GPipe
+    batches them apart); here both schedules do, and wait for each send at once.
     Left out: the library's shape inference (here the flags give the shapes), arbitrary
     inputs, outputs and keyword arguments per stage, and every schedule with more than one
     stage per rank (interleaved-1f1b, zero-bubble, zbv, dualpipev: use pipeline.py).
@@ -27,7 +28,8 @@ What it teaches
 Launch (from the collection's root)
     python from_scratch/pipeline.py                         # 2 stages on a CPU, one per GPU
     torchrun --nproc_per_node=2 from_scratch/pipeline.py    # what clusters use
-    torchrun --nproc_per_node=3 from_scratch/pipeline.py --schedule 1f1b --microbatches 6
+    torchrun --nproc_per_node=3 from_scratch/pipeline.py --schedule 1f1b --microbatches 6 \
+        --batch-size 60
     torchrun --nproc_per_node=2 from_scratch/pipeline.py --fp64   # pipeline.py's weights
     Smallest hardware: any CPU (stages share it; they talk over gloo).
 
@@ -52,7 +54,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common.py, plumbing/
+# common.py and plumbing/ are one folder up, in the collection's root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import SEQ_LEN, SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, gather_full_state, optimizer_share
 from plumbing.checkpoints import save_atomic, train_state, unloadable

@@ -65,7 +65,8 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common.py, plumbing/
+# common.py and plumbing/ are one folder up, in the collection's root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
@@ -222,7 +223,8 @@ def parallelize(model, group):
                      "by hand only nn.Linear is cut: use tp.py")
             # q, k and v take attention's input, f'd once: three gradients summed, one all-reduce
             if kind == "shared_input" or kind == "colwise" and not key.startswith(inside):
-                module.register_forward_pre_hook(lambda _, args: (Copy.apply(args[0], group),))
+                module.register_forward_pre_hook(
+                    lambda _, args: (Copy.apply(args[0], group), *args[1:]))
             if kind == "colwise":
                 keep(module, "weight", 0)
                 keep(module, "bias", 0)

@@ -55,7 +55,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common.py, plumbing/
+# common.py and plumbing/ are one folder up, in the collection's root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
@@ -134,6 +135,9 @@ def flatten(model, rank, world_size):
     parameters become views of; return it and this rank's slice (the parameter Adam steps)."""
     params = [(module, name, p) for module in model.modules()
               for name, p in module.named_parameters(recurse=False)]
+    if len({id(p) for *_, p in params}) < len(params):  # a tied weight: one tensor, two names
+        fail("from_scratch/zero.py: error: the model ties weights, which one flat buffer would "
+             "hold twice and train as two copies; untie them, or use zero.py")
     size = sum(p.numel() for *_, p in params)
     flat = params[0][2].new_zeros(-(-size // world_size) * world_size)
     offset = 0
@@ -313,7 +317,8 @@ def load_checkpoint(args, model, optimizer):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mine = {}
     for key in ("exp_avg", "exp_avg_sq"):  # every parameter's, flat and padded as the weights
-        whole = torch.cat([s[key].flatten() for s in plain["state"].values()])
+        # By index, as Adam numbers model.parameters(): the file's key order is not that
+        whole = torch.cat([plain["state"][i][key].flatten() for i in range(len(plain["state"]))])
         whole = torch.cat([whole, whole.new_zeros(shard.numel() * world_size - len(whole))])
         # A copy: a view of the slice would keep every rank's moments alive in this one
         mine[key] = whole.view(world_size, -1)[rank].clone()

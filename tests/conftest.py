@@ -396,38 +396,8 @@ def pytest_collection_finish(session):
             EARLY_FOLDERS.append(folder)
             commands, env = module.early_launches(folder)
             EARLY[module.__name__] = folder, [
-                WATCHERS.submit(cmd) if callable(cmd) else queued(cmd, env) for cmd in commands]
-
-
-# A launch two modules ask for with the same command (a by-hand script's test module runs its
-# wrapper with the flags the wrapper's own module runs it with) runs once: the second gets the
-# first's result, and a copy of the weights it saved at its own --save path.
-SAME_LAUNCHES = {}  # (command without --save, env): (future, its --save path)
-
-
-def saved_to(cmd):
-    return next((arg.removeprefix("--save=") for arg in map(str, cmd)
-                 if arg.startswith("--save=")), None)
-
-
-def queued(cmd, env):
-    key = (tuple(str(arg) for arg in cmd if not str(arg).startswith("--save=")),
-           tuple(sorted((env or {}).items())))
-    if key not in SAME_LAUNCHES:
-        SAME_LAUNCHES[key] = QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT), saved_to(cmd)
-        return SAME_LAUNCHES[key][0]
-    first, path = SAME_LAUNCHES[key]
-    copy = concurrent.futures.Future()
-
-    def copied(done):
-        try:
-            if path and saved_to(cmd) and os.path.exists(path):
-                shutil.copyfile(path, saved_to(cmd))
-            copy.set_result(done.result())
-        except BaseException as e:  # a failed or cancelled first launch fails this one too
-            copy.set_exception(e)
-    first.add_done_callback(copied)
-    return copy
+                WATCHERS.submit(cmd) if callable(cmd)
+                else QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT) for cmd in commands]
 
 
 def pytest_sessionfinish(session):

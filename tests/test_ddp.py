@@ -3,6 +3,7 @@ zero.py, ddp.py with Adam's state sharded (ZeRO-1), whose checkpoint ddp.py resu
 by-hand twins (from_scratch/ddp.py, from_scratch/zero.py) train to the wrappers' weights."""
 
 import json
+import importlib
 import re
 import shutil
 
@@ -45,24 +46,25 @@ RUNS = {
         "from_scratch/ddp.py"),
 }
 # zero.py's, the same way: Adam's state sharded over 2 ranks; and fp64 on odd flags: 3 ranks
-# (the held-out set pads), 3 micro-batches, blocks that recompute their activations (compiled:
+# (the held-out set pads), 3 micro-batches, clipped by the norm of the whole gradient (which ZeRO
+# by hand sums over its slices), blocks that recompute their activations (compiled:
 # tp.py's spawn run and single.py), and a checkpoint at the end, which ddp.py continues on 1 rank
 ZERO_RUNS = {
     "zero, 2 ranks": (2, []),
-    "zero, fp64, 3 ranks, accum 3, AC": (3, [*fp64(SEED_A), "--accum-steps=3",
+    "zero, fp64, 3 ranks, accum 3, AC": (3, [*fp64(SEED_A, clip=FP64_CLIP), "--accum-steps=3",
                                              "--activation-checkpointing",
                                              "--checkpoint={folder}/ckpt.pt"]),
     # by hand (from_scratch/zero.py): ZeRO-1 beside the run above it, ZeRO-2 beside the fp64 one
     "zero by hand, ZeRO-1, 2 ranks": (2, ["--zero=1"], "from_scratch/zero.py"),
     "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": (3, [
-        *fp64(SEED_A), "--accum-steps=3", "--activation-checkpointing",
+        *fp64(SEED_A, clip=FP64_CLIP), "--accum-steps=3", "--activation-checkpointing",
         "--checkpoint={folder}/hand-ckpt.pt", "--zero=2"], "from_scratch/zero.py"),
 }
 FP64_RUNS = {  # name: (seed, clip, the oracle's mixture)
-    "zero, fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),
+    "zero, fp64, 3 ranks, accum 3, AC": (SEED_A, FP64_CLIP, {}),
     "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (SEED_B, FP64_CLIP,
                                                                    moe(3, 1, 3)[1]),
-    "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),
+    "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": (SEED_A, FP64_CLIP, {}),
     "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (
         SEED_B, FP64_CLIP, moe(3, 1, 3)[1])}
 # by-hand run: the wrapper's run of the same flags
@@ -173,10 +175,10 @@ def test_fp64_zero1_checkpoint_from_3_ranks_resumes_in_ddp_py_on_1_rank(runs, tm
     shutil.copy(runs["zero, fp64, 3 ranks, accum 3, AC"][1].parent / "ckpt.pt",
                 tmp_path / "c1.pt")
     steps = FP64_JOB["steps"] + 8
-    out, resumed = run_as_only_rank("ddp", [*fp64(SEED_A, steps=steps),
+    out, resumed = run_as_only_rank("ddp", [*fp64(SEED_A, steps=steps, clip=FP64_CLIP),
                                             f"--checkpoint={tmp_path / 'c1.pt'}"], tmp_path)
     assert f"resumed from {tmp_path / 'c1.pt'} at step {FP64_JOB['steps']}" in out
-    assert_fp64_run_equals_the_fp64_oracle((out, resumed), SEED_A, steps)
+    assert_fp64_run_equals_the_fp64_oracle((out, resumed), SEED_A, steps, FP64_CLIP)
 
 
 def test_every_layer_is_trained(runs, reference):
@@ -402,9 +404,10 @@ def test_fp64_zero_by_hand_resumes_zero_py_s_3_rank_checkpoint_on_1_rank(runs, t
     shutil.copy(runs["zero, fp64, 3 ranks, accum 3, AC"][1].parent / "ckpt.pt", tmp_path / "c.pt")
     steps = FP64_JOB["steps"] + 8
     out, resumed = run_as_only_rank("from_scratch.zero", [
-        *fp64(SEED_A, steps=steps), "--zero=2", f"--checkpoint={tmp_path / 'c.pt'}"], tmp_path)
+        *fp64(SEED_A, steps=steps, clip=FP64_CLIP), "--zero=2",
+        f"--checkpoint={tmp_path / 'c.pt'}"], tmp_path)
     assert f"at step {FP64_JOB['steps']}" in out
-    assert_fp64_run_equals_the_fp64_oracle((out, resumed), SEED_A, steps)
+    assert_fp64_run_equals_the_fp64_oracle((out, resumed), SEED_A, steps, FP64_CLIP)
 
 
 @needs_cuda
@@ -470,3 +473,13 @@ def test_ddp_by_hand_buckets_launched_in_another_order_on_one_rank_stop_the_job_
     assert re.search(r"^ddp\.py: error: rank [01]: a collective gave up \(", result.stderr,
                      re.M), result.stderr
     assert "Is there a distributed collective mismatch in your code?" in result.stderr
+
+
+def test_zero_by_hand_refuses_a_tied_weight_in_one_line_instead_of_two_copies():
+    """One flat buffer would hold a tied weight twice (once per name) and train two copies
+    apart; the twin stops in one line (zero.py's optimizer keeps it one parameter)."""
+    model = SimpleModel(JOB["hidden"], JOB["blocks"], JOB["heads"])
+    model.output.weight = model.embed.weight  # GPT-2's tie
+    with pytest.raises(SystemExit, match="the model ties weights, which one flat buffer would "
+                                         "hold twice"):
+        importlib.import_module("from_scratch.zero").flatten(model, 0, 2)

@@ -583,3 +583,22 @@ def test_by_hand_views_made_once_keep_every_block_whole_until_backward_ends(
         tmp_path, "FSDP by hand: the views made once"))
     units, whole, _ = gathers(copy, False, as_torchrun, fake_world, monkeypatch)
     assert (0, set(range(len(units)))) in whole
+
+
+class Tied(SimpleModel):
+    """SimpleModel with its head tied to its embedding, as GPT-2's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.output.weight = self.embed.weight
+
+
+def test_by_hand_a_tied_weight_stops_in_one_line_not_two_copies(monkeypatch, tmp_path):
+    """A user's model that ties its head to its embedding: two units (or two views of one)
+    would hold the one tensor apart and train two copies; the twin stops in one line (fsdp.py
+    keeps it one DTensor)."""
+    hand = importlib.import_module("from_scratch.fsdp")
+    monkeypatch.setattr(hand, "SimpleModel", Tied)
+    with pytest.raises(SystemExit, match="the model ties weights, which two units or two views "
+                                         "would hold apart; untie them, or use fsdp.py"):
+        run_as_only_rank(hand, [], tmp_path)
