@@ -10,7 +10,8 @@ proof.png      training and validation loss against step for every strategy on t
 drift.png      1 rank against 2 ranks over a long run, several seeds: where rounding stays,
                and where Adam amplifies it (docs/drift.md); in fp32 and in fp64.
 timeline.png   one training step of every rank, from `--profile` traces: compute and
-               communication in their own colours (DDP, FSDP, pipeline GPipe and 1F1B).
+               communication in their own colours (DDP, DDP by hand, FSDP, pipeline GPipe
+               and 1F1B).
 pipeline.png   every schedule of pipeline.py on 2 ranks, one step per rank, and its idle share
                (the bubble) measured from the trace beside the theory's.
 experts.png    the tokens each expert of a mixture (4 experts, top-2) receives over training, with
@@ -248,6 +249,9 @@ def event_kind(name):
 def timelines(folder, batch, device="cpu"):
     runs = {
         "DDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "ddp.py", []),
+        # its twin (docs/from_scratch.md), in buckets of 1 MB: each all-reduce inside backward
+        "DDP by hand, 2 ranks, buckets of 1 MB": ([*TORCHRUN, "--nproc_per_node=2"],
+                                                  "from_scratch/ddp.py", ["--bucket-cap-mb=1"]),
         "FSDP, 2 ranks": ([*TORCHRUN, "--nproc_per_node=2"], "fsdp.py", []),
         "pipeline GPipe, 2 stages, 4 micro-batches": ([*TORCHRUN, "--nproc_per_node=2"],
                                                       "pipeline.py", ["--schedule=gpipe"]),
