@@ -170,8 +170,9 @@ class Reducer:
         if not self.sync:
             return
         bucket = self.buckets[i]
-        # As DDP: times 1/N while copying, before the sum. At N = 3 that rounds twice (1/3,
-        # then the product): the sum divided by 3 instead can end a last bit away.
+        # As DDP: times 1/N while copying, before the sum (dividing the sum instead would round
+        # otherwise at N = 3). Not why 3 ranks part from ddp.py in the last bit: the place of
+        # each gradient in the buffer is (docs/from_scratch.md).
         torch.mul(p.grad.view(-1), 1 / self.world_size, out=bucket["views"][p])
         bucket["left"] -= 1
         # Launched in bucket order only, whatever order the hooks came in: all-reduces pair

@@ -37,7 +37,7 @@ Launch
     python from_scratch/tp.py                            # starts its own workers: one per GPU, or 2
     torchrun --nproc_per_node=2 from_scratch/tp.py       # each block cut in 2
     torchrun --nproc_per_node=2 from_scratch/tp.py --fp64 --save hand.pt
-    torchrun --nproc_per_node=2 tp.py --fp64 --save tp.pt  # hand.pt's equal, to 1e-12
+    torchrun --nproc_per_node=2 tp.py --fp64 --save tp.pt  # hand.pt's, to the bit
     python -m pytest -q tests/test_tp.py -k by_hand       # the proofs, and its mistakes
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
     all on one machine.

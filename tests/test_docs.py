@@ -348,12 +348,12 @@ def test_each_exercise_can_be_run_alone_by_the_k_expression_its_row_gives():
 
 
 def test_each_by_hand_exercise_can_be_run_alone_by_the_k_expression_its_row_gives():
-    """docs/exercises.md's by-hand rows (B1, B2, ...): one "run it alone" line each, in order,
+    """docs/exercises.md's by-hand rows (H1, H2, ...): one "run it alone" line each, in order,
     whose `-k` selects exactly one test of the module it names."""
     import ast
     text = (REPO / "docs" / "exercises.md").read_text()
-    rows = re.findall(r"^\| (B\d+) \| \*\*", text, re.M)
-    lines = re.findall(r"^python -m pytest -q (tests/test_\w+\.py) -k (\S+) +# (B\d+)$", text,
+    rows = re.findall(r"^\| (H\d+) \| \*\*", text, re.M)
+    lines = re.findall(r"^python -m pytest -q (tests/test_\w+\.py) -k (\S+) +# (H\d+)$", text,
                        re.M)
     assert rows and [n for *_, n in lines] == rows, "one line per row of the table, in order"
     for module, expression, row in lines:
