@@ -71,13 +71,17 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, SimpleModel, balance, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.checkpoints import check_resumable, gather_full_state, named_adam, save_atomic
+from plumbing.checkpoints import train_state, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
@@ -92,6 +96,8 @@ def parse_args(argv=None):
                           "parallel group, each with 1/CP of every sequence (default: all)")
     hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
                           help="how attention reaches the other ranks' keys and values")
+    hardware.add_argument("--fsdp", action="store_true", help="shard the weights, gradients "
+                          "and Adam's state over every rank (data x context), not DDP")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
     world_size = launch_world(parser, args, data_parallel=False)[0]  # torchrun's, or --nproc
@@ -126,8 +132,8 @@ def setup(args):
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
     print0(f"cp: {world_size} ranks = {world_size // args.cp} (dp) x {args.cp} (cp), "
-           f"{args.cp_method} | backend {backend} | device {device.type} | "
-           f"torch {torch.__version__}")
+           f"{args.cp_method}, {'FSDP' if args.fsdp else 'DDP'} | backend {backend} | "
+           f"device {device.type} | torch {torch.__version__}")
     return rank, world_size, device
 
 
@@ -151,6 +157,9 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     # Over every rank: each holds tokens no other rank has.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    for module in model.modules():  # FSDP: free the weights gathered for no backward
+        if isinstance(module, FSDPModule):
+            module.reshard()
     # --- end ---
     model.train()
     return (sums[0] / sums[1]).item()
@@ -295,13 +304,25 @@ def train(args, rank, world_size, device):
     positions = cut_sequences(model, mesh, args.cp_method)  # on the CPU: they index batches
     where = positions.to(device)  # and on the device, the position embedding's input
     # --- end ---
-    # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
-    # (each bucket, 25 MB, the first 1 MB, as soon as backward has made it; .grad views into it)
-    # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average to
-    # the gradient of the batch's mean loss.
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-    # --- end ---
+    if args.fsdp:
+        # --- FSDP x CP: shard over the data and context ranks together: here, every rank ---
+        # FSDP averages each gradient over the mesh it is given, as DDP: each rank's loss is
+        # the mean over its own tokens, their average the batch's. Over "dp" only, a CP group's
+        # parts of each gradient would never be added: silently wrong. A loss summed over the
+        # batch's tokens would be divided twice (then: set_gradient_divide_factor(1)).
+        everyone = init_device_mesh(device.type, (world_size,))  # dp x cp, flattened
+        for block in model.blocks.values():  # each block whole only while it runs
+            fully_shard(block, mesh=everyone)
+        ddp_model = fully_shard(model, mesh=everyone)  # the rest; the model itself, sharded
+        # --- end ---
+    else:
+        # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
+        # (each bucket, 25 MB, the first 1 MB, as soon as backward has made it; .grad views)
+        # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average
+        # to the gradient of the batch's mean loss.
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        # --- end ---
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
@@ -337,7 +358,11 @@ def train(args, rank, world_size, device):
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
-            with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
+            # (FSDP has a switch instead; its whole gradients wait for the last micro-batch.)
+            last = micro == args.accum_steps - 1
+            if args.fsdp:
+                model.set_requires_gradient_sync(last)
+            with contextlib.nullcontext() if last or args.fsdp else ddp_model.no_sync():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
                     loss = loss_fn(ddp_model(x, positions=where), y)
@@ -351,6 +376,8 @@ def train(args, rank, world_size, device):
             # larger (0: never; the norm is still measured). Returns the norm before clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
+            if args.fsdp:  # of DTensor shards: their squares summed over the mesh
+                grad_norm = grad_norm.full_tensor()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -368,19 +395,23 @@ def train(args, rank, world_size, device):
                 val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size, device, positions)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            if rank == 0:  # one writer: the replicas are identical; resumes on any world size
-                save_checkpoint(args, model, optimizer, step + 1)
+            # One device's file on rank 0, the one writer: resumes on any world size, or in
+            # single.py. DDP's replicas are whole; FSDP's shards are gathered (a collective).
+            with meter.paused():
+                weights, adam = gather_full_state(args, [(model, optimizer)])
+                if rank == 0:
+                    save_checkpoint(args, weights, adam, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
 
-def save_checkpoint(args, model, optimizer, step):
+def save_checkpoint(args, weights, adam, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
-    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    save_atomic({"model": weights, "optimizer": adam,
                  **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
@@ -399,11 +430,14 @@ def load_checkpoint(args, model, optimizer):
         # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
         # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
+        # (FSDP: each rank keeps its shards of the file's whole tensors)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
         refuse(unloadable(e))  # what is wrong with it, and what to do
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
-    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
+    # Adam's moments on the device (FSDP: sharded as their parameters; the API names them)
+    set_optimizer_state_dict(model, optimizer, named_adam(state["optimizer"], args),
+                             options=StateDictOptions(full_state_dict=True))
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
 
@@ -412,9 +446,11 @@ def run(args):
     """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
-    if args.save and rank == 0:
-        # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
-        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
+    if args.save:
+        # The unwrapped model's (DDP's names each weight "module.<name>"), whole on rank 0
+        weights = gather_full_state(args, [(model, None)])[0]  # a collective: every rank
+        if rank == 0:
+            save_atomic(weights, args.save)  # CPU tensors: loads anywhere
     leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
 
 

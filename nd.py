@@ -69,22 +69,28 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, gather_full_state, save_atomic, train_state
-from plumbing.checkpoints import unloadable
+from plumbing.checkpoints import named_adam, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
 from plumbing.flags import check_tp, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
 from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
-from tp import parallelize  # TP's plan, then fully_shard over "dp": tp.py's 2D, per stage
+from tp import parallelize  # TP's plan, then fully_shard over "dp_cp": tp.py's 2D, per stage
+from cp import cut_sequences  # each block's attention across the CP group (cp.py)
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, accum=False, ranks=True, moe=False,
-                           nproc_help="workers to start without torchrun (default: --pp x --tp)")
+                           nproc_help="workers to start without torchrun (default: --pp x "
+                                      "--cp x --tp)")
     hardware, pipe = parser.groups["hardware"], parser.add_argument_group("pipeline")
     hardware.add_argument("--pp", type=positive(int), default=2, help="pipeline ranks")
     hardware.add_argument("--tp", type=positive(int), default=2, help="ranks per TP group")
+    hardware.add_argument("--cp", type=positive(int), default=1, help="ranks per context-"
+                          "parallel group, each with 1/CP of every sequence (cp.py)")
+    hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
+                          help="how attention reaches the other CP ranks' keys and values")
     pipe.add_argument("--microbatches", type=positive(int), default=None,
                       help="micro-batches per step, the pipeline's accumulation (default 4)")
     pipe.add_argument("--schedule", choices=list(SCHEDULES), default=None,
@@ -95,8 +101,8 @@ def parse_args(argv=None):
     parser.set_defaults(stages=None)  # pipeline.check_stages sets it: --pp x --stages-per-rank
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
-    # torchrun's ranks, or the --nproc workers started here (default: --pp x --tp of them)
-    args.nproc = args.nproc or args.pp * args.tp
+    # torchrun's ranks, or the --nproc workers started here (default: --pp x --cp x --tp)
+    args.nproc = args.nproc or args.pp * args.cp * args.tp
     world_size, local_world, gpus = launch_world(parser, args, data_parallel=False)
     if args.pp < 2:
         parser.error("--pp 1: no pipeline; use tp.py (FSDP x TP) or fsdp.py")
@@ -107,12 +113,16 @@ def parse_args(argv=None):
 
 
 def check_mesh(parser, args, world_size, local_world):
-    """The mesh (pp, dp, tp): each a divisor of what it cuts, TP inside a machine."""
-    if world_size % (args.pp * args.tp):
-        parser.error(f"--pp {args.pp} x --tp {args.tp} must divide the world size {world_size} "
-                     f"(dp is the rest); use {args.pp * args.tp} ranks or a multiple")
+    """The mesh (pp, dp, cp, tp): each a divisor of what it cuts, TP inside a machine."""
+    model_ranks = args.pp * args.cp * args.tp  # one pipeline's ranks; dp is the rest
+    if world_size % model_ranks:
+        parser.error(f"--pp {args.pp} x --cp {args.cp} x --tp {args.tp} must divide the world "
+                     f"size {world_size} (dp is the rest); use {model_ranks} ranks or a multiple")
     check_tp(parser, args, local_world)  # as tp.py: T divides the heads and a machine's ranks
-    dp = world_size // (args.pp * args.tp)
+    if SEQ_LEN % (2 * args.cp):  # as cp.py: each CP rank takes 2 of 2C equal chunks
+        parser.error(f"--cp {args.cp}: the sequence length {SEQ_LEN} must cut into 2 x --cp "
+                     f"equal chunks; use a --cp that divides {SEQ_LEN // 2}")
+    dp = world_size // model_ranks
     if args.batch_size % (dp * args.microbatches):
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {dp} "
                      f"pipeline(s) (dp) x --microbatches {args.microbatches}; use a multiple "
@@ -141,37 +151,47 @@ def setup(args):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if backend == "nccl" else None)
-    print0(f"nd: {world_size} ranks = {args.pp} (pp) x {world_size // (args.pp * args.tp)} "
-           f"(dp) x {args.tp} (tp) | schedule {args.schedule}, {args.stages} stages, "
+    dp = world_size // (args.pp * args.cp * args.tp)
+    print0(f"nd: {world_size} ranks = {args.pp} (pp) x {dp} (dp) x {args.cp} (cp, "
+           f"{args.cp_method}) x {args.tp} (tp) | schedule {args.schedule}, {args.stages} stages, "
            f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
            f"torch {torch.__version__}")
     return rank, world_size, device
 
 
 def make_mesh(args, world_size, device):
-    """The one mesh, (pp, dp, tp) row-major, its dimensions named; refused in one line if a TP
-    group would span machines."""
-    # --- N-D: one mesh; its last dimension's ranks are consecutive, on one machine ---
-    # Row-major: a TP group is T consecutive ranks, which torchrun puts on one machine; a
-    # pipeline's stages are dp x tp ranks apart, across machines. The other order, tp first,
-    # would put TP's all-reduces, two per block each way, on the network.
-    dp = world_size // (args.pp * args.tp)
-    mesh = init_device_mesh(device.type, (args.pp, dp, args.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+    """The mesh, (pp, dp, cp, tp) row-major, its dimensions named, and the same ranks as
+    (pp, dp_cp, tp), FSDP's view; refused in one line if a TP group would span machines."""
+    # --- N-D: one mesh; its last dimensions' ranks are consecutive, on one machine ---
+    # Row-major: a TP group is T consecutive ranks, which torchrun puts on one machine, and a
+    # CP group (its K and V exchanges per block) C x T; a pipeline's stages are dp x cp x tp
+    # ranks apart, across machines. The other order, tp first, would put TP's all-reduces, two
+    # per block each way, on the network.
+    dp = world_size // (args.pp * args.cp * args.tp)
+    mesh = init_device_mesh(device.type, (args.pp, dp, args.cp, args.tp),
+                            mesh_dim_names=("pp", "dp", "cp", "tp"))
+    # FSDP shards over the data and context ranks as one dimension (each holds tokens no other
+    # does). torch has no public way to merge two dimensions of a mesh (torchtitan calls the
+    # private DeviceMesh._flatten): the same ranks again, as (pp, dp x cp, tp). Row-major too:
+    # rank ((p D + d) C + c) T + t sits at (p, d C + c, t), so each group is the same ranks.
+    shards = init_device_mesh(device.type, (args.pp, dp * args.cp, args.tp),
+                              mesh_dim_names=("pp", "dp_cp", "tp"))
     # torchrun numbers ranks machine by machine: a group whose ranks // the ranks per machine
     # differ spans machines. Checked, because the mesh's shape cannot tell its order.
     per_machine = int(os.environ["LOCAL_WORLD_SIZE"])
     group = mesh["tp"].mesh.flatten().tolist()
     if len({r // per_machine for r in group}) > 1:
         fail(f"nd.py: error: the TP group {group} spans machines of {per_machine} ranks: "
-             "build the mesh with \"tp\" last, (pp, dp, tp), so its ranks are consecutive")
+             "build the mesh with \"tp\" last, (pp, dp, cp, tp), so its ranks are consecutive")
     # --- end ---
-    return mesh
+    return mesh, shards
 
 
-def evaluate(stages, owner, mesh, dataset, batch_size, hidden, device, dtype):
+def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, positions):
     """The mean cross-entropy per token over the whole held-out set, the same on every rank:
-    each pipeline ("dp") on its shard, forward only, stage by stage (pipeline.py's way)."""
+    each pipeline ("dp") on its shard, forward only, stage by stage (pipeline.py's way); each
+    rank of a CP group on its `positions` of every sequence."""
+    device = positions.device
     for stage_module in stages:
         stage_module.eval()  # no dropout or BatchNorm here, but the model you copy this to may
     pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
@@ -184,7 +204,8 @@ def evaluate(stages, owner, mesh, dataset, batch_size, hidden, device, dtype):
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
+            # the padded duplicates left out; CP: this rank's tokens of each sequence
+            x, y = x[:real].to(device)[:, positions], y[:real].to(device)[:, positions]
             real -= len(x)
             mine = iter(stages)
             for i in (i for i, r in enumerate(owner) if r == me):
@@ -193,7 +214,7 @@ def evaluate(stages, owner, mesh, dataset, batch_size, hidden, device, dtype):
                 if i > 0 and owner[i - 1] != me:  # (batch, sequence, hidden) from before
                     x = torch.empty(*x.shape[:2], hidden, device=device, dtype=dtype)
                     dist.recv(x, src=dist.get_global_rank(pp, owner[i - 1]), group=pp)
-                x = stage_module(x)
+                x = stage_module(x, positions=positions)  # (only the first stage's reads it)
                 if i + 1 < len(owner) and owner[i + 1] != me:
                     dist.send(x.contiguous(), dst=dist.get_global_rank(pp, owner[i + 1]),
                               group=pp)
@@ -201,9 +222,9 @@ def evaluate(stages, owner, mesh, dataset, batch_size, hidden, device, dtype):
             if owner[-1] == me:  # only the last stage has outputs to score
                 sums[0] += loss_fn(x, y, reduction="sum")
                 sums[1] += y.numel()
-    # Over "dp" (the pipelines' shards), then "pp" (to the stages without the loss); the T
-    # ranks of a TP group hold the same sums.
-    dist.all_reduce(sums, group=dp)
+    # Over "dp_cp" (the pipelines' shards, each CP rank's tokens), then "pp" (to the stages
+    # without the loss); the T ranks of a TP group hold the same sums.
+    dist.all_reduce(sums, group=shards.get_group("dp_cp"))
     dist.all_reduce(sums, group=pp)
     for stage_module in stages:  # free the weights FSDP's roots keep for no backward
         for module in stage_module.modules():
@@ -223,7 +244,7 @@ def train(args, rank, world_size, device):
     with torch.device("meta"):
         model = SimpleModel.from_args(args).to(dtype)
     state = load_checkpoint(args, model) if args.checkpoint else None  # every rank reads it
-    mesh = make_mesh(args, world_size, device)
+    mesh, shards = make_mesh(args, world_size, device)
     dp = mesh["dp"].size()
     owner = placement(args, args.pp)  # stage i's "pp" rank: a loop, or a V (pipeline.py)
     held = [i for i, r in enumerate(owner) if r == mesh.get_local_rank("pp")]
@@ -237,8 +258,12 @@ def train(args, rank, world_size, device):
     for i in held:
         part = cut(model, i, args.stages)
         compile_and_checkpoint(part.blocks.values(), args)  # per block, before any wrapper
-        stages.append(parallelize(part, mesh, shard_blocks=False))
+        stages.append(parallelize(part, shards, shard_blocks=False, shard_over="dp_cp"))
         part.to_empty(device=device)  # storage for this rank's pieces only, uninitialized
+        # CP: each block's attention across "cp" (cp.py's); this rank's tokens' positions
+        positions = (cut_sequences(part, mesh, args.cp_method) if args.cp > 1
+                     else torch.arange(SEQ_LEN))
+    where = positions.to(device)  # on the device too: the position embedding's input
     full = {}  # the real weights, on rank 0's CPU only: the file's, or one device's (--seed)
     if rank == 0 and state is not None:
         full = state["model"]
@@ -255,8 +280,10 @@ def train(args, rank, world_size, device):
                                                       broadcast_from_rank0=True, strict=False))
     del full  # rank 0's copy: each stage holds its pieces now
     # A PipelineStage talks along "pp" only (group=): its neighbours are the ranks with the same
-    # dp and tp coordinates. Each micro-batch is 1/(dp M) of the global batch.
-    shape, last = (args.batch_size // (dp * args.microbatches), SEQ_LEN), args.stages - 1
+    # dp, cp and tp coordinates. Each micro-batch is 1/(dp M) of the global batch, and 1/C of
+    # each sequence: left at SEQ_LEN, the receive takes the larger buffer and the run dies later.
+    shape = (args.batch_size // (dp * args.microbatches), SEQ_LEN // args.cp)
+    last = args.stages - 1
     pipe = [PipelineStage(
         part, i, args.stages, device, group=mesh.get_group("pp"),
         input_args=torch.empty(shape, device="meta", dtype=torch.long) if i == 0 else
@@ -265,7 +292,8 @@ def train(args, rank, world_size, device):
                                 dtype=dtype, requires_grad=True))
         for i, part in zip(held, stages)]
     # scale_grads: the M micro-batches' mean losses add up to M times the pipeline's gradient,
-    # divided by M here; FSDP then averages over "dp": one device's gradient. (Divided by M
+    # divided by M here; FSDP then averages over "dp_cp" (each rank's loss the mean over its
+    # own tokens, as in cp.py): one device's gradient. (Divided by M
     # in loss_fn as well, it would be M times too small.) The stage keeps FSDP from reducing
     # until the last micro-batch, then runs FSDP's reduce itself, before scale_grads.
     schedule_class, per_rank, _ = SCHEDULES[args.schedule]
@@ -280,12 +308,9 @@ def train(args, rank, world_size, device):
     start_step = 0
     if state is not None:
         # Each stage's pieces of the file's Adam state (one device's), keyed by parameter
-        # name: set_optimizer_state_dict cuts each as its parameter is cut (tp, then dp).
-        index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        # name: set_optimizer_state_dict cuts each as its parameter is cut (tp, then dp_cp).
         for part, optimizer in zip(stages, optimizers):
-            named = [name for name, _ in part.named_parameters()]
-            full = {"state": {n: state["optimizer"]["state"][index[n]] for n in named},
-                    "param_groups": [dict(state["optimizer"]["param_groups"][0], params=named)]}
+            full = named_adam(state["optimizer"], args, part)
             set_optimizer_state_dict(part, optimizer, full,
                                      options=StateDictOptions(full_state_dict=True))
         start_step = state["step"]
@@ -310,17 +335,20 @@ def train(args, rank, world_size, device):
             # A resumed run skips the part of the epoch that was trained before the stop.
             batches = itertools.islice(loader, index, None)
         x, y = next(batches)
+        x, y = x[:, positions], y[:, positions]  # CP: this rank's tokens of each sequence
         # --- Pipeline parallelism: one call runs the schedule, along "pp" ---
         losses = []
         inputs = [x.to(device)] if is_first else []
         targets = dict(target=y.to(device), losses=losses) if is_last else {}
-        schedule.step(*inputs, **targets)
+        # CP: where each token sits in its sequence, a keyword cut into micro-batches with x;
+        # left out, the first stage would embed every piece at positions 0..S/C-1, silently.
+        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1))
         loss = (torch.stack(losses).mean().detach() if is_last
                 else torch.zeros((), device=device, dtype=dtype))
         # --- end ---
         with record_function("optimizer step"):
             # --- N-D: --clip by the norm of the whole gradient, over all three dimensions ---
-            # The DTensors' norm covers "dp" and "tp" (their squares summed over the stage's
+            # The DTensors' norm covers "dp_cp" and "tp" (their squares summed over the stage's
             # ranks); the stages' squares are then added up over "pp". Clipped per stage, or
             # per TP group, each part would be scaled by a factor of its own.
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
@@ -336,15 +364,15 @@ def train(args, rank, world_size, device):
         profiler.step()
 
         if step == 0 or (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            # The last stage's loss, averaged over the pipelines, to every rank
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
+            # The last stage's loss, averaged over the pipelines and CP's pieces, to every rank
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=shards.get_group("dp_cp"))
             dist.all_reduce(loss, group=mesh.get_group("pp"))
             final_loss = loss.item()
             print0(log_line(step + 1, args.steps, final_loss, grad_norm.item(), samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(stages, owner, mesh, val_set, args.batch_size // dp,
-                                    args.hidden, device, dtype)
+                val_loss = evaluate(stages, owner, mesh, shards, val_set, args.batch_size // dp,
+                                    args.hidden, dtype, where)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Rank 0 gathers single.py's file: it resumes on any mesh, or in single.py.

@@ -171,10 +171,12 @@ def evaluate(model, dataset, mesh, batch_size, device):
     return (sums[0] / sums[1]).item()
 
 
-def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shard_blocks=True):
+def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shard_blocks=True,
+                shard_over="dp"):
     """Cut each Block over mesh["tp"] (and the activations between them along the sequence:
-    sequence_parallel; the head over the vocabulary: vocab_parallel); 2D: shard over "dp",
-    each block on its own (shard_blocks) and the rest, or the whole model as one (nd.py)."""
+    sequence_parallel; the head over the vocabulary: vocab_parallel); 2D: shard over
+    mesh[shard_over], each block on its own (shard_blocks) and the rest, or the whole model as
+    one (nd.py, over "dp_cp")."""
     # --- TP: cut each block's attention by heads and its MLP by inner units ---
     # ColwiseParallel cuts a weight by output features: its output, cut, is what
     # RowwiseParallel (cut by input features) takes, adding up its partial sums in one
@@ -237,10 +239,10 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard cuts the pieces over "dp" (1/(D*T) of a block per rank); the
     # other order fails ("Cannot distribute a DTensor with device mesh ..."). Blocks, then root.
-    if mesh["dp"].size() > 1:
+    if mesh[shard_over].size() > 1:
         for block in model.blocks.values() if shard_blocks else ():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh[shard_over])
+        fully_shard(model, mesh=mesh[shard_over])
     return model
 
 

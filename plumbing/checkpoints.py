@@ -85,6 +85,18 @@ def optimizer_share(full_state, args, held):
             "param_groups": [group]}
 
 
+def named_adam(full_state, args, held=None):
+    """One device's Adam state_dict (its parameters numbered as one_device(args)'s) keyed by
+    parameter name instead, as set_optimizer_state_dict(full_state_dict=True) takes it, which
+    then cuts each tensor as its parameter is cut (FSDP's shards, TP's); `held`: a module
+    whose names are a slice of one device's (a pipeline stage), else every parameter."""
+    names = [name for name, _ in one_device(args).named_parameters()]
+    held = names if held is None else [name for name, _ in held.named_parameters()]
+    group = dict(full_state["param_groups"][0], params=held)
+    return {"state": {name: full_state["state"][names.index(name)] for name in held},
+            "param_groups": [group]}
+
+
 ADAM = ("step", "exp_avg", "exp_avg_sq")  # Adam's state per parameter: a count, two moments
 
 

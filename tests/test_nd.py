@@ -143,9 +143,11 @@ def test_no_rank_holds_a_whole_stage_at_the_build_or_the_save(as_torchrun, fake_
 def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
     import nd
     world_of_8(4)  # 2 machines of 4 (conftest.world_of_8)
-    mesh = nd.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, types.SimpleNamespace(type="cpu"))
-    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    mesh, shards = nd.make_mesh(types.SimpleNamespace(pp=2, cp=1, tp=2), 8,
+                                types.SimpleNamespace(type="cpu"))
+    assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
     assert mesh["tp"].mesh.tolist() == [0, 1] and mesh["pp"].mesh.tolist() == [0, 4]
+    assert shards["dp_cp"].mesh.tolist() == mesh["dp"].mesh.tolist() == [0, 2]
 
 
 @pytest.mark.parametrize("world, flags, message", [
