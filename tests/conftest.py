@@ -203,11 +203,14 @@ def start(*cmd, env=None, merge_stderr=False, nice=0, preloaded=True):
                 **(env or {})}
     if cmd[0] == RANKS or (preloaded and cpu_only and cmd[0] == sys.executable
                            and cmd[1].endswith(".py")):
-        return PRELOADED.start(cmd, full_env, merge_stderr, nice)
-    return subprocess.Popen(cmd, cwd=REPO, env=full_env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-                            start_new_session=True,
-                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        proc = PRELOADED.start(cmd, full_env, merge_stderr, nice)
+    else:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                                start_new_session=True,
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    proc.started = time.monotonic()
+    return proc
 
 
 @pytest.fixture
@@ -333,6 +336,9 @@ def finish(proc, timeout=90):
         kill(proc)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(proc.args)} still running after {timeout}s\n{out}\n{err}")
+    if os.environ.get("LAUNCH_TIMES"):  # a file: each launch's seconds (--durations misses
+        with open(os.environ["LAUNCH_TIMES"], "a") as log:  # the queued ones)
+            log.write(f"{time.monotonic() - proc.started:6.1f} {' '.join(map(str, proc.args))}\n")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -234,7 +234,7 @@ def test_plumbing_is_small_files_that_only_define_and_hold_nothing_dead():
                 assert uses > 1, f"plumbing/{path.name}: {name} is used nowhere"
 
 
-EXTRA_FILES = {"nd": ["pipeline.py", "tp.py"]}  # what nd.py imports besides the two below
+EXTRA_FILES = {"nd": ["pipeline.py", "tp.py", "cp.py"]}  # what nd.py imports besides the two below
 
 
 def test_each_script_copied_with_what_the_readme_says_into_an_empty_folder_starts(tmp_path):

@@ -1,6 +1,7 @@
-"""nd.py: a pipeline of TP-cut, FSDP-sharded stages on one (pp, dp, tp) mesh trains to one
-device's weights in float64 under every schedule, on 8 ranks (2 x 2 x 2); its checkpoint
-resumes on another mesh and in single.py; no rank holds a whole stage at the build or the
+"""nd.py: a pipeline of TP-cut, FSDP-sharded stages, each sequence cut over CP ranks, on one
+(pp, dp, cp, tp) mesh trains to one device's weights, losses and gradient norms in float64
+under every schedule, on 8 ranks (2 x 2 x 2 of the four); its checkpoint, written with CP,
+resumes on a mesh without it and in single.py; no rank holds a whole stage at the build or the
 save; a mesh whose TP groups would span machines, and every flag the mesh cannot divide, is
 refused in one line."""
 
@@ -29,25 +30,31 @@ STEPS = 8
 # 4 blocks: 4 stages when 2 ranks run 2 each; 4 heads: TP 2 cuts whole heads
 MODEL = ["--blocks=4", "--heads=4", "--pp=2", "--tp=2"]
 ORACLE = {"blocks": 4, "heads": 4}
-# name: (seed, clip, flags). Every schedule on 2 (pp) x 2 (dp) x 2 (tp), on flags nobody
-# chose: 2 to 6 micro-batches, clipping by the whole gradient's norm over the three dimensions,
-# recomputed blocks (under a split backward too), CUDA's Adam; gpipe's checkpoint (step 8) is
-# continued below.
+# name: (seed, clip, flags). Every schedule on 8 ranks, on flags nobody chose: 2 to 6
+# micro-batches, clipping by the whole gradient's norm over every dimension, recomputed blocks
+# (under a split backward too), CUDA's Adam. Three of the four dimensions at a time, so that
+# every pair meets: pp x cp x tp (all-gather under gpipe, the ring under a V), pp x dp x cp
+# (1f1b: FSDP over dp x cp, data dealt over dp), pp x dp x tp (the others). gpipe's
+# checkpoint (step 8, with CP) is continued below on a mesh without it, and by single.py.
+# (All four at once, 2 x 2 x 2 x 2, is 16 processes: no pair it adds.)
+CP = ["--cp=2", "--tp=1"]
 SCHEDULES = {
-    "gpipe, 3 micro-batches, clip": (SEED_A, FP64_CLIP, [
-        "--schedule=gpipe", "--microbatches=3", "--checkpoint={folder}/nd.pt"]),
-    "1f1b, 2 micro-batches, CUDA's Adam": (SEED_B, None, [
-        CUDA_DEFAULTS, "--schedule=1f1b", "--microbatches=2"]),
+    "gpipe, pp x cp x tp, 3 micro-batches, clip": (SEED_A, FP64_CLIP, [
+        "--schedule=gpipe", "--microbatches=3", "--cp=2", "--checkpoint={folder}/nd.pt"]),
+    "1f1b, pp x dp x cp, ring, 2 micro-batches, CUDA's Adam": (SEED_B, None, [
+        CUDA_DEFAULTS, "--schedule=1f1b", "--microbatches=2", *CP, "--cp-method=ring"]),
     "interleaved-1f1b, 6 micro-batches, clip": (SEED_B, FP64_CLIP, [
         "--schedule=interleaved-1f1b", "--microbatches=6"]),
     "zero-bubble, 2 micro-batches, AC, CUDA's Adam": (SEED_A, None, [
         CUDA_DEFAULTS, "--schedule=zero-bubble", "--microbatches=2",
         "--activation-checkpointing"]),
-    "zbv, 2 micro-batches, clip": (SEED_B, FP64_CLIP, ["--schedule=zbv", "--microbatches=2"]),
+    "zbv, pp x cp x tp, ring, 2 micro-batches, clip": (SEED_B, FP64_CLIP, [
+        "--schedule=zbv", "--microbatches=2", "--cp=2", "--cp-method=ring"]),
     "dualpipev, 6 micro-batches": (SEED_A, None, ["--schedule=dualpipev", "--microbatches=6"]),
 }
 if torch_older_than(2, 12):  # its gloo cannot run a V (pipeline.py refuses: tests/test_pipeline)
-    del SCHEDULES["zbv, 2 micro-batches, clip"], SCHEDULES["dualpipev, 6 micro-batches"]
+    del SCHEDULES["zbv, pp x cp x tp, ring, 2 micro-batches, clip"]
+    del SCHEDULES["dualpipev, 6 micro-batches"]
 RUNS = {name: (8, [*(f for f in flags if f == CUDA_DEFAULTS), *fp64(seed, STEPS, clip), *MODEL,
                    *(f for f in flags if f != CUDA_DEFAULTS)])
         for name, (seed, clip, flags) in SCHEDULES.items()}
@@ -68,10 +75,10 @@ def test_fp64_every_schedule_on_a_2x2x2_mesh_equals_the_fp64_oracle(name, runs):
 
 
 def test_fp64_checkpoint_resumes_on_another_mesh_and_in_single_py(runs, tmp_path):
-    """gpipe's checkpoint of 2 x 2 x 2 (step 8) continued to step 16, across an epoch, on 2
-    (pp) x 2 (dp) x 1 (tp) ranks, 2 stages each, and by single.py: each ends within 1e-9 of 16
-    uninterrupted steps on one device."""
-    written = runs["gpipe, 3 micro-batches, clip"][1].parent / "nd.pt"
+    """gpipe's checkpoint of pp 2 x cp 2 x tp 2 (step 8) continued to step 16, across an epoch,
+    on 2 (pp) x 2 (dp) x 1 (cp) x 1 (tp) ranks, 2 stages each, and by single.py: each ends
+    within 1e-9 of 16 uninterrupted steps on one device."""
+    written = runs["gpipe, pp x cp x tp, 3 micro-batches, clip"][1].parent / "nd.pt"
     for copy in ("mesh.pt", "single.pt"):
         shutil.copy(written, tmp_path / copy)
     assert_checkpoints_resume_to_the_oracle("nd.py", {
@@ -152,7 +159,10 @@ def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
 
 @pytest.mark.parametrize("world, flags, message", [
     (8, ["--pp=1"], "--pp 1: no pipeline; use tp.py"),
-    (8, ["--pp=3"], "--pp 3 x --tp 2 must divide the world size 8"),
+    (8, ["--pp=3"], "--pp 3 x --cp 1 x --tp 2 must divide the world size 8"),
+    (8, ["--cp=3"], "--pp 2 x --cp 3 x --tp 2 must divide the world size 8"),
+    (32, ["--cp=16", "--tp=1"], "--cp 16: the sequence length 16 must cut into 2 x --cp"),
+    (16, ["--cp=2", "--batch-size=60"], "divisible by the 2 pipeline(s) (dp) x --microbatches"),
     (6, ["--tp=3"], "--tp 3 must divide --heads 4"),
     (8, ["--batch-size=60"], "must be divisible by the 2 pipeline(s) (dp) x --microbatches 4"),
     (8, ["--pp=4", "--schedule=interleaved-1f1b"], "8 stages but --blocks 4"),

@@ -148,6 +148,17 @@ MISTAKES = {
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
         "                            group=mesh.get_group(\"dp\"))  # (mistake)\n")]),
+    "CP x FSDP: sharded over dp only": ("cp.py", [(
+        "        everyone = init_device_mesh(device.type, (world_size,))  # dp x cp, flattened\n",
+        "        everyone = mesh[\"dp\"]  # (mistake) \"FSDP is data parallelism\"\n")]),
+    "CP x FSDP: the loss normalized twice": ("cp.py", [(
+        "                    loss = loss_fn(ddp_model(x, positions=where), y)\n",
+        "                    # (mistake) the batch's mean written out: this rank's share of it\n"
+        "                    loss = loss_fn(ddp_model(x, positions=where), y, reduction=\"sum\")\n"
+        "                    loss = loss / (y.numel() * world_size)\n")]),
+    "ND: positions not passed to the stages": ("nd.py", [(
+        "        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1))\n",
+        "        schedule.step(*inputs, **targets)\n")]),
     "CP ring: a hop skipped where its keys are masked": ("cp.py", [(
         "        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):\n",
         "        if source > me:  # \"a later rank's keys are all masked for my first chunk\"\n"
@@ -214,6 +225,11 @@ LAUNCHED = {
     "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
     "CP: positions not offset per piece": (2, fp64(SEED, steps=4)),
     "CP: loss averaged over a rank's own tokens": (2, [*fp64(SEED, steps=4), "--log-every=1"]),
+    # FSDP over data x context: 2 x 2, every step's norm printed
+    **{name: (4, [*fp64(SEED, steps=4), "--cp=2", "--fsdp", "--log-every=1"])
+       for name in MISTAKES if name.startswith("CP x FSDP")},
+    # pp 2 x cp 2: the first stage's pieces
+    "ND: positions not passed to the stages": (4, [*fp64(SEED, steps=4), *ND_FLAGS, "--cp=2"]),
     **{name: (2, [*fp64(SEED, steps=4), *EP_FLAGS]) for name in MISTAKES if name.startswith("EP")},
     # the pipeline's mistakes show on 2 stages alone (--tp 1: no TP, no dp)
     "ND: the norm clipped per stage": (2, [*fp64(SEED, steps=4, clip=FP64_CLIP), *ND_FLAGS]),
@@ -473,6 +489,36 @@ def test_a_cp_loss_averaged_over_a_ranks_own_tokens_prints_another_loss(launched
     printed = logged_step_losses(out)
     assert sorted(printed) == [1, 2, 3, 4]
     assert all(abs(printed[step] - losses[step - 1]) > 1e-3 for step in (2, 3, 4))
+
+
+def test_fsdp_over_dp_only_under_cp_never_adds_a_cp_groups_parts_of_each_gradient(launched):
+    """FSDP shards over "dp" (2 ranks) and averages each gradient there; the 2 CP ranks of a
+    group, each holding the gradient of its own tokens only, never add theirs up: every rank
+    steps on half its gradient's terms, silently (it trains). Over dp x cp, the same run is
+    one device's (tests/test_cp.py)."""
+    out, weights = launched["CP x FSDP: sharded over dp only"]
+    assert logged_losses(out)[-1] < logged_losses(out)[0]
+    assert distance(weights, steps=4) > FP64_TOL
+
+
+def test_a_cp_loss_normalized_twice_prints_a_gradient_norm_w_times_too_small(launched):
+    """Each rank's loss is its tokens' sum over the batch's tokens, and FSDP divides by the 4
+    ranks once more: the gradient is 1/4 of one device's at every step, the norm printed says
+    so exactly, while Adam, nearly blind to a gradient's scale, steps almost as it should: the
+    weights miss the oracle by much less than the gradient does."""
+    out, weights = launched["CP x FSDP: the loss normalized twice"]
+    norms = fp64_reference(SEED, 4)[3]
+    assert list(logged_norms(out).values()) == pytest.approx([n / 4 for n in norms], rel=1e-6)
+    assert distance(weights, steps=4) > FP64_TOL
+
+
+def test_positions_not_passed_to_the_stages_embed_every_piece_at_the_start(launched):
+    """Without the keyword, the first stage embeds each rank's pieces at positions 0..S/C-1:
+    rank 1's (the 2nd and 3rd quarters) are taken for the sequence's start. It trains, and
+    misses one device."""
+    out, weights = launched["ND: positions not passed to the stages"]
+    assert logged_losses(out)[-1] < logged_losses(out)[0]
+    assert distance(weights, steps=4) > FP64_TOL
 
 
 def test_a_ring_that_skips_a_hop_on_some_ranks_fails_in_one_line_within_its_timeout(tmp_path):
