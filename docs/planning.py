@@ -1,9 +1,9 @@
-"""From this machine to a real cluster: what each rank of a (pp, dp, tp) layout holds and sends
-per step, for Llama 3 8B and 70B on 8, 64 and 512 GPUs, and the same arithmetic checked against
-nd.py at small scale. Writes the tables of docs/planning.md.
+"""From this machine to a real cluster: what each rank of a (pp, dp, cp, tp) layout holds and
+sends per step, for Llama 3 8B and 70B on 8, 64 and 512 GPUs, Llama 3 8B at 128K tokens, and the
+same arithmetic checked against nd.py at small scale. Writes the tables of docs/planning.md.
 
     python docs/planning.py            # the tables (seconds)
-    python docs/planning.py --check    # and 4 nd.py runs on this CPU beside the formula (a minute)
+    python docs/planning.py --check    # and 6 nd.py runs on this CPU beside the formula (minutes)
 
 The arithmetic, one rule per dimension (docs/planning.md says why each holds):
 - pp: a stage holds L / (P V) blocks per virtual stage, the first the embeddings, the last the
@@ -11,7 +11,9 @@ The arithmetic, one rule per dimension (docs/planning.md says why each holds):
 - tp: cuts the blocks' matrices (q, k, v, o and the feed-forward's) and, as torchtitan does, the
   embeddings and the head over the vocabulary; norms stay whole.
 - dp: FSDP shards every tensor it is given along its first dimension, rank 0 taking the
-  rounded-up share.
+  rounded-up share; with CP, over the dp x cp ranks (each holds tokens no other does).
+- cp: a rank holds S/C tokens of every sequence, and each block's attention reaches the other
+  ranks' keys and values: all-gathered (their gradients reduce-scattered back), or round a ring.
 """
 
 import argparse
@@ -30,6 +32,7 @@ MODELS = {  # Llama 3's published shapes (grouped-query attention, SwiGLU, RMSNo
     "Llama 3 70B": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
 }
 SEQ, BATCH = 8192, 512  # tokens per sequence; sequences per step (4 M tokens, Llama 3's start)
+LONG_SEQ, LONG_BATCH = 131072, 32  # 128K tokens per sequence, the same 4 M tokens per step
 GPU_BYTES = 80 * GB
 USABLE = 0.9  # of it, for what the table does not count (allocator, NCCL's buffers, CUDA)
 PER_MACHINE = 8
@@ -38,6 +41,8 @@ PEAK, MFU = 989e12, 0.4  # H100 bf16 dense FLOP/s, and the share of it a good ru
 LAYOUTS = {8: [(1, 8, 1), (1, 4, 2), (1, 1, 8), (2, 1, 4), (2, 4, 1)],
            64: [(1, 64, 1), (1, 8, 8), (2, 4, 8), (4, 2, 8), (8, 8, 1)],
            512: [(1, 512, 1), (1, 64, 8), (4, 16, 8), (8, 8, 8), (16, 4, 8), (16, 32, 1)]}
+LONG_LAYOUTS = {64: [(1, 8, 1, 8), (1, 1, 8, 8), (1, 8, 8, 1)],  # (pp, dp, cp, tp)
+                512: [(2, 32, 1, 8), (1, 8, 8, 8), (1, 4, 16, 8), (1, 32, 16, 1)]}
 
 
 def llama_tensors(m):
@@ -95,15 +100,28 @@ def held(tensors, layers, pp, dp, tp, v=1, v_shaped=False):
     return per_rank
 
 
-def activation_bytes(m, tokens, tp, recompute):
+def activation_bytes(m, tokens, tp, recompute, cp=1):
     """bf16 bytes a block keeps for backward per micro-batch of `tokens` tokens, flash attention
     (no scores kept): the norms' inputs and outputs (4h, whole on each TP rank), q, k, v and the
     attention's output (2h + 2 kv, cut), the feed-forward's gate, up, SiLU and product (4 ffn,
-    cut); with full recomputation, the block's input alone."""
+    cut); with full recomputation, the block's input alone. With CP (`tokens` the rank's S/C),
+    the other C - 1 ranks' K and V too: all-gathered, they are kept for backward (cp.py's)."""
     h, kv = m["hidden"], m["kv_heads"] * m["hidden"] // m["heads"]
     if recompute:
         return 2 * h * tokens
-    return 2 * tokens * (4 * h + (2 * h + 2 * kv + 4 * m["ffn"]) / tp)
+    return (2 * tokens * (4 * h + (2 * h + 2 * kv + 4 * m["ffn"]) / tp)
+            + gathered_kv(m, tokens, tp, cp))
+
+
+def kv_piece(m, tokens, tp):
+    """bf16 bytes of one rank's K and V in one block, per micro-batch of `tokens` tokens (S/C
+    with CP): the message each CP exchange is made of."""
+    return 2 * 2 * tokens * m["kv_heads"] * m["hidden"] // m["heads"] // tp
+
+
+def gathered_kv(m, tokens, tp, cp):
+    """The other ranks' K and V a block keeps for backward: C - 1 pieces (all-gather CP)."""
+    return (cp - 1) * kv_piece(m, tokens, tp)
 
 
 def link(size, stride):
@@ -112,36 +130,49 @@ def link(size, stride):
     return NVLINK if size * stride <= PER_MACHINE else INFINIBAND
 
 
-def plan(name, pp, dp, tp, recompute):
+def plan(name, pp, dp, tp, recompute, cp=1, seq=SEQ, batch=BATCH):
     """One row: bytes per rank (the busiest stage's), bytes each rank sends per step in each
     dimension and the seconds its links take for them, the bubble, the compute."""
     m = MODELS[name]
     tensors = llama_tensors(m)
     h, params = m["hidden"], sum(math.prod(shape) for _, shape, _ in tensors)
-    elements = max(held(tensors, m["layers"], pp, dp, tp))  # the busiest stage's share
+    shards = dp * cp  # FSDP's ranks: the data and context ranks (nd.py's "dp_cp")
+    elements = max(held(tensors, m["layers"], pp, shards, tp))  # the busiest stage's share
     state = 16 * elements  # fp32 weights and gradients, Adam's two moments: all sharded
-    # bf16 weights gathered over dp: with a pipeline, the stage's for the whole step (one
+    # bf16 weights gathered over dp x cp: with a pipeline, the stage's for the whole step (one
     # all-gather per step, as nd.py does); without, two blocks at a time (FSDP's prefetch)
     block = sum(math.prod(s) for w, s, _ in tensors if w == 0) // tp
-    gathered = 0 if dp == 1 else 2 * elements * dp if pp > 1 else 2 * 2 * block
-    micro = BATCH // dp  # micro-batches of one sequence: the pipeline's M
+    gathered = 0 if shards == 1 else 2 * elements * shards if pp > 1 else 2 * 2 * block
+    micro = batch // dp  # micro-batches of one sequence (a CP group shares it): the pipeline's M
+    tokens = seq // cp  # of each sequence, on this rank
     in_flight = min(pp, micro)  # 1F1B: the first stage keeps P micro-batches' activations
     layers_here = m["layers"] // pp
-    acts = in_flight * layers_here * activation_bytes(m, SEQ, tp, recompute)
+    acts = in_flight * layers_here * activation_bytes(m, tokens, tp, recompute, cp)
+    kv_held = 0 if recompute else in_flight * layers_here * gathered_kv(m, tokens, tp, cp)
     # TP: per block and micro-batch 4 all-reduces of the activations (6 when recomputing),
     # bf16, each sending 2(T-1)/T of its size (a ring)
-    tp_sent = 2 * (tp - 1) / tp * 2 * SEQ * h * layers_here * micro * (6 if recompute else 4)
+    tp_sent = 2 * (tp - 1) / tp * 2 * tokens * h * layers_here * micro * (6 if recompute else 4)
     # FSDP: with a pipeline, the stage's bf16 weights gathered once a step; without, each
     # block's twice per micro-batch (forward, backward); the fp32 gradients reduce-scattered
     # once a step (accumulated unsynced between, as fsdp.py does)
-    dp_sent = (dp - 1) * (2 * (1 if pp > 1 else 2 * micro) + 4) * elements
+    dp_sent = (shards - 1) * (2 * (1 if pp > 1 else 2 * micro) + 4) * elements
+    # CP: per block and micro-batch, forward, the rank's K, V piece to each of the C - 1 others
+    # (all-gather; the ring: C - 1 hops of a piece); backward, as much of their gradients back
+    # (reduce-scatter; the ring: C - 1 hops). A recomputed forward gathers again.
+    cp_step = (cp - 1) * kv_piece(m, tokens, tp)
+    cp_sent = cp_step * layers_here * micro * (3 if recompute else 2)
     # PP: a middle stage sends each micro-batch's output on and its input's gradient back
-    pp_sent = 2 * micro * SEQ * h * 2 if pp > 1 else 0
-    compute = 6 * params * BATCH * SEQ / (pp * dp * tp) / (MFU * PEAK)  # seconds
-    return dict(params=params, state=state, gathered=gathered, acts=acts,
+    pp_sent = 2 * micro * tokens * h * 2 if pp > 1 else 0
+    # 6 FLOPs per parameter and token; the long-context table adds causal attention's scores
+    # and sums, 6 L h S per token (forward and backward, half the keys): at 8K a seventh more,
+    # at 128K twice the rest
+    flops = 6 * params + (6 * m["layers"] * h * seq if seq != SEQ else 0)
+    compute = flops * batch * seq / (pp * dp * cp * tp) / (MFU * PEAK)  # seconds
+    return dict(params=params, state=state, gathered=gathered, acts=acts, kv_held=kv_held,
                 total=state + gathered + acts, tp_sent=tp_sent, dp_sent=dp_sent,
-                pp_sent=pp_sent, tp_s=tp_sent / link(tp, 1), dp_s=dp_sent / link(dp, tp),
-                pp_s=pp_sent / link(pp, dp * tp), bubble=(pp - 1) / (micro + pp - 1),
+                cp_sent=cp_sent, cp_step=cp_step, pp_sent=pp_sent, tp_s=tp_sent / link(tp, 1),
+                dp_s=dp_sent / link(shards, tp), cp_s=cp_sent / link(cp, tp),
+                pp_s=pp_sent / link(pp, dp * cp * tp), bubble=(pp - 1) / (micro + pp - 1),
                 compute=compute)
 
 
@@ -172,25 +203,62 @@ def tables():
                     f"({ac['acts'] / GB:.1f}) GB | {full['total'] / GB:.1f} "
                     f"({ac['total'] / GB:.1f}) GB | {fits} | {' | '.join(sends)} | "
                     f"{row['bubble']:.1%} | {row['compute']:.1f} s |")
+    return "\n".join(out) + "\n" + long_context()
+
+
+def long_context():
+    """The table of Llama 3 8B at 128K tokens: the layouts with and without CP (all-gather)."""
+    name = "Llama 3 8B"
+    out = [f"\n### {name} at 128K tokens ({LONG_BATCH} sequences of {LONG_SEQ} tokens per step; "
+           "CP all-gather)\n",
+           "| GPUs | pp x dp x cp x tp | state | gathered weights | activations (recompute) | "
+           "of which others' K, V | per rank (recompute) | fits 80 GB? | K, V a CP step sends | "
+           "CP sends | TP sends | FSDP sends | PP sends | bubble (1F1B) | compute |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for gpus, layouts in LONG_LAYOUTS.items():
+        for pp, dp, cp, tp in layouts:
+            if pp * dp * cp * tp != gpus or LONG_BATCH % dp:
+                raise SystemExit(f"layout {pp}x{dp}x{cp}x{tp}: not {gpus} GPUs, or dp does "
+                                 f"not divide {LONG_BATCH} sequences")
+            full, ac = (plan(name, pp, dp, tp, r, cp, LONG_SEQ, LONG_BATCH) for r in (False, True))
+            row = full if full["total"] < USABLE * GPU_BYTES else ac
+            fits = ("yes" if row is full else
+                    "with recompute" if ac["total"] < USABLE * GPU_BYTES else "no")
+            sends = [f"{row[k] / GB:,.1f} GB, {row[k[:3] + 's']:.1f} s" if row[k] else "-"
+                     for k in ("cp_sent", "tp_sent", "dp_sent", "pp_sent")]
+            step = f"{row['cp_step'] / 2**20:,.0f} MiB" if cp > 1 else "-"
+            out.append(
+                f"| {gpus} | {pp} x {dp} x {cp} x {tp} | {full['state'] / GB:.1f} GB | "
+                f"{full['gathered'] / GB:.1f} GB | {full['acts'] / GB:.1f} "
+                f"({ac['acts'] / GB:.1f}) GB | {full['kv_held'] / GB:.1f} GB | "
+                f"{full['total'] / GB:.1f} ({ac['total'] / GB:.1f}) GB | {fits} | {step} | "
+                f"{' | '.join(sends)} | {row['bubble']:.1%} | {row['compute']:.1f} s |")
     return "\n".join(out)
 
 
 # The small-scale check: nd.py at its defaults (hidden 64, 4 blocks, 4 heads, batch 64, fp32) on
-# four meshes, 2 micro-batches. Rank 0's summary prints the state it holds (plumbing/meter.py held_bytes:
-# weights, gradients and Adam's moments, each DTensor's local piece); its --profile trace of
-# steps 5-7 holds every send (PP), every all-reduce of an activation (TP) and every all-gather
-# of its FSDP shard (dp), each with its tensor's shape. Rank 0 runs the first stage (and in a V
-# the last): it sends activations forward (and gradients back from the last stage).
-CHECKS = [(8, 2, 2, "gpipe"), (4, 2, 2, "gpipe"), (4, 2, 1, "gpipe"), (8, 2, 2, "zbv")]
+# six meshes, 2 micro-batches. Rank 0's summary prints the state it holds (plumbing/meter.py
+# held_bytes: weights, gradients and Adam's moments, each DTensor's local piece); its --profile
+# trace of steps 5-7 holds every send (PP, and the ring's hops), every all-reduce of an
+# activation (TP), every all-gather of its FSDP shard (dp x cp) and of its K, V piece (CP), and
+# every reduce-scatter of their gradients, each with its tensor's shape. Rank 0 runs the first
+# stage (and in a V the last): it sends activations forward (and gradients back from the last
+# stage).
+CHECKS = [(8, 2, 1, 2, "gpipe", None), (4, 2, 1, 2, "gpipe", None), (4, 2, 1, 1, "gpipe", None),
+          (8, 2, 1, 2, "zbv", None), (4, 2, 2, 1, "gpipe", "ring"),
+          (8, 2, 2, 2, "gpipe", "allgather")]  # (ranks, pp, cp, tp, schedule, CP's method)
 HIDDEN, BLOCKS, HEADS, BATCH_HERE, M, STEPS = 64, 4, 4, 64, 2, 8
 
 
-def counted(trace, activation):
+def counted(trace, activation, kv, cp):
     """Bytes per step rank 0's trace shows: sent to the next stage, all-reduced over TP (the
-    activation-shaped ones), all-gathered over dp (its shard)."""
+    activation-shaped ones), all-gathered over dp x cp (its shard), and CP's: its K, V piece
+    (`kv`'s shape) all-gathered, or sent a hop round the ring, and their gradients
+    reduce-scattered back, or sent a hop back. An all-gather or a reduce-scatter counts the
+    C - 1 pieces it sends (the ring algorithm's; gloo's own reduce-scatter is C all-reduces)."""
     import json
     size = {"float": 4, "double": 8}
-    sums = {"send": 0, "tp": 0, "dp": 0}
+    sums = {"send": 0, "tp": 0, "dp": 0, "cp": 0}
     for e in json.loads(Path(trace).read_text())["traceEvents"]:
         if e.get("ph") != "X" or "Input Dims" not in e.get("args", {}):
             continue
@@ -199,9 +267,13 @@ def counted(trace, activation):
             dims = dims[0]
         n = math.prod(dims) * size.get(kind, 0)
         if e["name"] in ("gloo:send", "nccl:send"):
-            sums["send"] += n
+            sums["cp" if dims == kv else "send"] += n  # a ring hop, or a stage's output
         elif e["name"] == "_c10d_functional::all_reduce" and dims == activation:
             sums["tp"] += n
+        elif e["name"] in ("gloo:all_gather", "nccl:all_gather") and dims == kv:
+            sums["cp"] += (cp - 1) * n
+        elif e["name"] == "c10d::reduce_scatter_" and dims == kv:  # its output: this rank's
+            sums["cp"] += (cp - 1) * math.prod(dims) * 4
         elif e["name"] in ("gloo:all_gather", "nccl:all_gather"):
             sums["dp"] += math.prod(dims) * 4  # its input: this rank's flat shard, fp32
     return {k: v / 3 for k, v in sums.items()}  # the Profiler records 3 steps
@@ -209,36 +281,44 @@ def counted(trace, activation):
 
 def check():
     import tempfile
-    rows = ["| ranks | pp x dp x tp | schedule | rank 0 runs | state (MiB): formula, printed | "
-            "PP sends (bytes/step): formula, counted | TP all-reduces (bytes/step): formula, "
-            "counted | FSDP shard gathered (bytes/step): formula, counted |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| ranks | pp x dp x cp x tp | schedule | rank 0 runs | state (MiB): formula, "
+            "printed | PP sends (bytes/step): formula, counted | TP all-reduces (bytes/step): "
+            "formula, counted | FSDP shard gathered (bytes/step): formula, counted | CP's K, V "
+            "sent (bytes/step): formula, counted |",
+            "|---|---|---|---|---|---|---|---|---|"]
     tensors = simple_model_tensors(HIDDEN, BLOCKS, HEADS)
-    for ranks, pp, tp, schedule in CHECKS:
-        dp = ranks // (pp * tp)
+    for ranks, pp, cp, tp, schedule, method in CHECKS:
+        dp = ranks // (pp * cp * tp)
         v, v_shaped = (2, True) if schedule == "zbv" else (1, False)
-        elements = held(tensors, BLOCKS, pp, dp, tp, v, v_shaped)[0]
-        micro = [BATCH_HERE // (dp * M), 16, HIDDEN]  # one micro-batch's activation
+        elements = held(tensors, BLOCKS, pp, dp * cp, tp, v, v_shaped)[0]
+        micro = [BATCH_HERE // (dp * M), 16 // cp, HIDDEN]  # one micro-batch's activation
+        # its K and V stacked, as cp.py sends them: (2, batch, heads, tokens, head width)
+        kv = [2, micro[0], HEADS // tp, micro[1], HIDDEN // HEADS]
         blocks_here = BLOCKS // (pp * v) * v  # rank 0's stages' blocks
         formula = {"state": 16 * elements / 2**20,
                    "send": M * math.prod(micro) * 4 * (2 if v_shaped else 1),
                    "tp": 4 * blocks_here * M * math.prod(micro) * 4 if tp > 1 else 0,
-                   "dp": 4 * elements if dp > 1 else 0}
+                   "dp": 4 * elements if dp * cp > 1 else 0,
+                   # per block and micro-batch: C - 1 pieces forward, as many gradients back
+                   "cp": 2 * (cp - 1) * blocks_here * M * math.prod(kv) * 4}
         with tempfile.TemporaryDirectory() as folder:
             result = subprocess.run(
                 [sys.executable, "nd.py", "--device=cpu", f"--nproc={ranks}", f"--pp={pp}",
-                 f"--tp={tp}", f"--schedule={schedule}", f"--steps={STEPS}",
-                 f"--microbatches={M}", f"--profile={folder}"],
+                 f"--cp={cp}", f"--tp={tp}", f"--schedule={schedule}", f"--steps={STEPS}",
+                 f"--microbatches={M}", f"--profile={folder}"]
+                + ([f"--cp-method={method}"] if method else []),
                 cwd=REPO, capture_output=True, text=True, timeout=600,
                 env={**os.environ, "OMP_NUM_THREADS": "1"})
             printed = re.search(r"\| state ([0-9.]+) MiB/rank", result.stdout)
             if not printed:
                 raise SystemExit(f"nd.py failed:\n{result.stdout}\n{result.stderr}")
-            seen = counted(Path(folder) / "trace_rank0.json", micro)
+            seen = counted(Path(folder) / "trace_rank0.json", micro, kv, cp)
         mine = "0 and 3 (a V)" if v_shaped else "0"
-        rows.append(f"| {ranks} | {pp} x {dp} x {tp} | {schedule} | stage {mine} | "
+        how = f"{schedule}, CP {method}" if method else schedule
+        rows.append(f"| {ranks} | {pp} x {dp} x {cp} x {tp} | {how} | stage {mine} | "
                     f"{formula['state']:.4f}, {printed.group(1)} | "
-                    + " | ".join(f"{formula[k]:,.0f}, {seen[k]:,.0f}" for k in ("send", "tp", "dp"))
+                    + " | ".join(f"{formula[k]:,.0f}, {seen[k]:,.0f}"
+                                 for k in ("send", "tp", "dp", "cp"))
                     + " |")
         print(rows[-1], flush=True)
     return "\n".join(rows)

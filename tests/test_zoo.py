@@ -190,10 +190,10 @@ MISTAKES = {
         "        seed_everything(args.seed + rank)\n"), (
         "broadcast_from_rank0=True, strict=False", "broadcast_from_rank0=False, strict=False")]),
     "ND: the mesh built tp first": ("nd.py", [(
-        "    mesh = init_device_mesh(device.type, (args.pp, dp, args.tp),\n"
-        "                            mesh_dim_names=(\"pp\", \"dp\", \"tp\"))\n",
-        "    mesh = init_device_mesh(device.type, (args.tp, dp, args.pp),\n"
-        "                            mesh_dim_names=(\"tp\", \"dp\", \"pp\"))\n")]),
+        "    mesh = init_device_mesh(device.type, (args.pp, dp, args.cp, args.tp),\n"
+        "                            mesh_dim_names=(\"pp\", \"dp\", \"cp\", \"tp\"))\n",
+        "    mesh = init_device_mesh(device.type, (args.tp, dp, args.cp, args.pp),\n"
+        "                            mesh_dim_names=(\"tp\", \"dp\", \"cp\", \"pp\"))\n")]),
     "TP: a tied weight made a DTensor module by module": ("tp.py", [(
         "distribute_module(module, mesh[\"tp\"], replicate_once, input_fn=replicated,",
         "distribute_module(module, mesh[\"tp\"], input_fn=replicated,"), (
@@ -503,12 +503,15 @@ def test_fsdp_over_dp_only_under_cp_never_adds_a_cp_groups_parts_of_each_gradien
 
 def test_a_cp_loss_normalized_twice_prints_a_gradient_norm_w_times_too_small(launched):
     """Each rank's loss is its tokens' sum over the batch's tokens, and FSDP divides by the 4
-    ranks once more: the gradient is 1/4 of one device's at every step, the norm printed says
-    so exactly, while Adam, nearly blind to a gradient's scale, steps almost as it should: the
-    weights miss the oracle by much less than the gradient does."""
+    ranks once more: the gradient is 1/4 of one device's, and the first step's printed norm is
+    exactly 1/4 of its. Adam is nearly blind to a gradient's scale (it divides by its running
+    size; only its epsilon sees it), so it steps almost as it should: the later norms stay
+    within 1e-3 of 1/4 of one device's, and the weights miss by far less than 4x."""
     out, weights = launched["CP x FSDP: the loss normalized twice"]
-    norms = fp64_reference(SEED, 4)[3]
-    assert list(logged_norms(out).values()) == pytest.approx([n / 4 for n in norms], rel=1e-6)
+    norms = [n / 4 for n in fp64_reference(SEED, 4)[3]]
+    printed = list(logged_norms(out).values())
+    assert printed[0] == pytest.approx(norms[0], rel=1e-6)
+    assert printed == pytest.approx(norms, rel=1e-3)
     assert distance(weights, steps=4) > FP64_TOL
 
 
@@ -606,7 +609,7 @@ def test_a_mesh_built_tp_first_is_refused_in_one_line_where_tp_would_span_machin
     world_of_8(4)
     with pytest.raises(SystemExit, match=r"the TP group \[0, 4\] spans machines of 4 "
                                          r"ranks: build the mesh with \"tp\" last"):
-        module.make_mesh(types.SimpleNamespace(pp=2, tp=2), 8, torch.device("cpu"))
+        module.make_mesh(types.SimpleNamespace(pp=2, cp=1, tp=2), 8, torch.device("cpu"))
 
 
 if __name__ == "__main__":
