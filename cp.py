@@ -24,7 +24,10 @@ What it teaches
     2C-1-i, an early one and a late one: every rank the same work. Each token keeps its place:
     the position embedding reads the token's position in its sequence, not on its rank.
     Weights and their gradients are whole on every rank, as in DDP (a CP rank, like a DP rank,
-    saw part of the batch): DDP averages them over every rank. With --cp C smaller than the
+    saw part of the batch): DDP averages them over every rank. --fsdp shards them instead,
+    with fully_shard over the same ranks, data x context (long contexts come with big models),
+    which averages alike; over the data ranks only, the CP ranks' parts of each gradient would
+    never be added, silently. With --cp C smaller than the
     world size W, the ranks form a grid of W/C groups ("dp") of C ("cp"), each group on samples
     of its own. Each rank's loss is the mean over its own tokens: every rank holds as many, so
     their average over the W ranks is the mean over the batch. With global batch B the result
@@ -47,8 +50,9 @@ Launch
     torchrun --nproc_per_node=2 cp.py              # each sequence in 2 pieces (all-gather)
     torchrun --nproc_per_node=2 cp.py --cp-method ring
     torchrun --nproc_per_node=4 cp.py --cp 2       # dp 2 x cp 2: two groups, 2 pieces each
+    torchrun --nproc_per_node=4 cp.py --cp 2 --fsdp   # ... sharded over all 4 (FSDP x CP)
     torchrun --nproc_per_node=2 cp.py --fp64       # float64: within 1e-9 of single.py --fp64
-    torchrun --nproc_per_node=4 cp.py --checkpoint ckpt.pt   # resumes on any --cp
+    torchrun --nproc_per_node=4 cp.py --checkpoint ckpt.pt   # resumes on any --cp, --fsdp
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
     and a CP group inside one machine where it can be (its exchanges are per layer).
 
@@ -59,6 +63,7 @@ Docs
     https://pytorch.org/tutorials/prototype/context_parallel.html (PyTorch's, CUDA only)
     https://arxiv.org/abs/2310.01889 (ring attention)
     https://arxiv.org/abs/2407.21783 (Llama 3: all-gather CP, the load-balanced chunks)
+    docs/long-sequences.md (FSDP x CP, and CP inside nd.py's mesh)
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 

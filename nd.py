@@ -1,26 +1,31 @@
-"""N-D parallelism: pipeline (pp) x FSDP (dp) x tensor parallelism (tp) on one named mesh.
+"""N-D parallelism: pipeline (pp) x FSDP (dp) x context (cp) x tensor parallelism (tp), one mesh.
 
 What it teaches
     A large job uses several techniques at once, each where its communication fits: TP inside
-    a machine (two activation all-reduces per block each way, on the fastest links), stages
-    across machines (only the activations at the cuts travel), and FSDP over the rest (one
-    all-gather and one reduce-scatter per block, overlapped). Here the W ranks form one
-    DeviceMesh of shape (pp, dp, tp), named, built once from --pp P and --tp T (dp = W/(P T)):
+    a machine (two activation all-reduces per block each way, on the fastest links), CP beside
+    it for long sequences (K and V per block), stages across machines (only the activations at
+    the cuts travel), and FSDP over the rest (one all-gather and one reduce-scatter per block,
+    overlapped). Here the W ranks form one DeviceMesh of shape (pp, dp, cp, tp), named, built
+    once from --pp P, --cp C and --tp T (dp = W/(P C T)):
     - "pp": the P ranks that hold the stages of one pipeline (pipeline.py's `cut`, V stages
       per rank with --stages-per-rank, placed in a loop or a V), driven by any of its
       schedules (--schedule);
     - "tp": inside each stage, tp.py's plan cuts every block's matrices over T ranks;
-    - "dp": then fully_shard shards the TP pieces over the D pipelines, each of which trains
-      on its own 1/D of every batch.
+    - "cp": each rank holds 1/C of every sequence (cp.py's chunks), its attention reaching the
+      others' keys and values (--cp-method); the stages pass (B/(D M), S/C, H) activations,
+      and the tokens' positions travel through the schedule with the micro-batches;
+    - "dp": the D pipelines, each on its own 1/D of every batch; fully_shard shards the TP
+      pieces over dp x cp together (each of those ranks holds tokens no other has).
     Per stage, in this order: TP's plan, then fully_shard, then a PipelineStage (each step
     says why at its line). With the same global batch the result equals one device: the tests
-    prove it in float64 to 1e-9 on 8 ranks (2 x 2 x 2), for every schedule.
+    prove it in float64 to 1e-9 on 8 ranks (2 x 2 x 2 of the four), for every schedule.
 
 When to use it
     A model too big for FSDP alone on the machines you have, with more GPUs than TP can use
     inside one machine: TP 8 inside each machine, PP across a few of them, FSDP (dp) across
-    the rest, as torchtitan and Megatron-LM train Llama-class models. docs/planning.md sizes
-    such layouts for Llama 3 8B and 70B on 8 to 512 GPUs.
+    the rest, as torchtitan and Megatron-LM train Llama-class models; CP too when one
+    sequence's activations are too big for a stage's rank (long contexts). docs/planning.md
+    sizes such layouts for Llama 3 8B and 70B on 8 to 512 GPUs, and 8B at 128K tokens.
 When not
     Anything that fits with fewer dimensions: each adds its own communication and its own
     constraints (a bubble, batch and head counts to divide). Start from fsdp.py, add TP
@@ -31,18 +36,19 @@ Launch
     python nd.py --nproc 8 --pp 2 --tp 2 --schedule zbv --microbatches 4
     python nd.py                 # its own 4 workers on a CPU: 2 stages x 2 TP ranks, dp 1
     python nd.py --fp64 --nproc 8 --pp 2 --tp 2   # float64: within 1e-9 of single.py --fp64
+    python nd.py --nproc 8 --pp 2 --cp 2 --tp 2 --cp-method ring   # each sequence in 2 pieces
     # single.py's checkpoint file: resumes on another mesh, in pipeline.py or in single.py
     torchrun --nproc_per_node=8 nd.py --pp 2 --tp 2 --checkpoint ckpt.pt
     # 2 machines of 8 GPUs: TP inside each machine, the pipeline across them
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         nd.py --pp 2 --tp 8 --heads 8
-    Smallest hardware: any CPU (4 processes over gloo share its cores, 8 for all three
-    dimensions). On GPUs (nd.py has not run on one yet): NCCL, one
-    GPU per rank, every TP group inside one machine (the mesh's last dimension).
+    Smallest hardware: any CPU (4 processes over gloo share its cores, 8 for three
+    dimensions, 16 for all four). On GPUs (nd.py has not run on one yet): NCCL, one GPU per
+    rank, every TP group inside one machine (the mesh's last dimension), CP beside it.
 
 What is added to the pipeline
     diff pipeline.py nd.py: the mesh, then per stage tp.py's plan and FSDP (tp.parallelize)
-    before the PipelineStage; the orders are said at their lines, with the error each other
+    and cp.py's attention before the PipelineStage; the orders are said at their lines, with the error each other
     order gives. Built on "meta", filled from rank 0's CPU and a checkpoint gathered back to
     it one tensor at a time: a device holds its pieces and one whole tensor (docs/memory.md).
 
@@ -50,6 +56,7 @@ Docs
     https://pytorch.org/docs/stable/distributed.pipelining.html
     https://pytorch.org/docs/stable/distributed.tensor.parallel.html
     https://github.com/pytorch/torchtitan (the same composition, at scale)
+    docs/long-sequences.md (CP, and CP inside this mesh)
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 

@@ -164,8 +164,8 @@ def plan(name, pp, dp, tp, recompute, cp=1, seq=SEQ, batch=BATCH):
     # PP: a middle stage sends each micro-batch's output on and its input's gradient back
     pp_sent = 2 * micro * tokens * h * 2 if pp > 1 else 0
     # 6 FLOPs per parameter and token; the long-context table adds causal attention's scores
-    # and sums, 6 L h S per token (forward and backward, half the keys): at 8K a seventh more,
-    # at 128K twice the rest
+    # and weighted sums, 6 L h S per token (forward and backward, half the keys), which grow
+    # with the sequence: at 128K they outweigh the rest (docs/planning.md)
     flops = 6 * params + (6 * m["layers"] * h * seq if seq != SEQ else 0)
     compute = flops * batch * seq / (pp * dp * cp * tp) / (MFU * PEAK)  # seconds
     return dict(params=params, state=state, gathered=gathered, acts=acts, kv_held=kv_held,
