@@ -34,7 +34,8 @@ import common  # noqa: E402 (the repository's, found through the path above)
 MARKED = re.compile(r"<!--([a-z0-9-]+)-->(.*?)<!--/-->")
 WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
          "fifteen sixteen seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three "
-         "twenty-four twenty-five twenty-six twenty-seven").split()
+         "twenty-four twenty-five twenty-six twenty-seven twenty-eight twenty-nine thirty thirty-one "
+         "thirty-two thirty-three thirty-four thirty-five").split()
 
 
 def parameters(**size):

@@ -279,6 +279,27 @@ def counted(trace, activation, kv, cp):
     return {k: v / 3 for k, v in sums.items()}  # the Profiler records 3 steps
 
 
+def formula(ranks, pp, cp, tp, schedule):
+    """One check's shapes and the rules' numbers for rank 0: its micro-batch's activation
+    shape, its K, V piece's, and the state (MiB) and bytes per step the table compares (CP's
+    the same for the all-gather and the ring)."""
+    tensors = simple_model_tensors(HIDDEN, BLOCKS, HEADS)
+    dp = ranks // (pp * cp * tp)
+    v, v_shaped = (2, True) if schedule == "zbv" else (1, False)
+    elements = held(tensors, BLOCKS, pp, dp * cp, tp, v, v_shaped)[0]
+    micro = [BATCH_HERE // (dp * M), 16 // cp, HIDDEN]  # one micro-batch's activation
+    # its K and V stacked, as cp.py sends them: (2, batch, heads, tokens, head width)
+    kv = [2, micro[0], HEADS // tp, micro[1], HIDDEN // HEADS]
+    blocks_here = BLOCKS // (pp * v) * v  # rank 0's stages' blocks
+    return micro, kv, {
+        "state": 16 * elements / 2**20,
+        "send": M * math.prod(micro) * 4 * (2 if v_shaped else 1),
+        "tp": 4 * blocks_here * M * math.prod(micro) * 4 if tp > 1 else 0,
+        "dp": 4 * elements if dp * cp > 1 else 0,
+        # per block and micro-batch: C - 1 pieces forward, as many gradients back
+        "cp": 2 * (cp - 1) * blocks_here * M * math.prod(kv) * 4}
+
+
 def check():
     import tempfile
     rows = ["| ranks | pp x dp x cp x tp | schedule | rank 0 runs | state (MiB): formula, "
@@ -286,21 +307,9 @@ def check():
             "formula, counted | FSDP shard gathered (bytes/step): formula, counted | CP's K, V "
             "sent (bytes/step): formula, counted |",
             "|---|---|---|---|---|---|---|---|---|"]
-    tensors = simple_model_tensors(HIDDEN, BLOCKS, HEADS)
     for ranks, pp, cp, tp, schedule, method in CHECKS:
         dp = ranks // (pp * cp * tp)
-        v, v_shaped = (2, True) if schedule == "zbv" else (1, False)
-        elements = held(tensors, BLOCKS, pp, dp * cp, tp, v, v_shaped)[0]
-        micro = [BATCH_HERE // (dp * M), 16 // cp, HIDDEN]  # one micro-batch's activation
-        # its K and V stacked, as cp.py sends them: (2, batch, heads, tokens, head width)
-        kv = [2, micro[0], HEADS // tp, micro[1], HIDDEN // HEADS]
-        blocks_here = BLOCKS // (pp * v) * v  # rank 0's stages' blocks
-        formula = {"state": 16 * elements / 2**20,
-                   "send": M * math.prod(micro) * 4 * (2 if v_shaped else 1),
-                   "tp": 4 * blocks_here * M * math.prod(micro) * 4 if tp > 1 else 0,
-                   "dp": 4 * elements if dp * cp > 1 else 0,
-                   # per block and micro-batch: C - 1 pieces forward, as many gradients back
-                   "cp": 2 * (cp - 1) * blocks_here * M * math.prod(kv) * 4}
+        micro, kv, expected = formula(ranks, pp, cp, tp, schedule)
         with tempfile.TemporaryDirectory() as folder:
             result = subprocess.run(
                 [sys.executable, "nd.py", "--device=cpu", f"--nproc={ranks}", f"--pp={pp}",
@@ -313,11 +322,11 @@ def check():
             if not printed:
                 raise SystemExit(f"nd.py failed:\n{result.stdout}\n{result.stderr}")
             seen = counted(Path(folder) / "trace_rank0.json", micro, kv, cp)
-        mine = "0 and 3 (a V)" if v_shaped else "0"
+        mine = "0 and 3 (a V)" if schedule == "zbv" else "0"
         how = f"{schedule}, CP {method}" if method else schedule
         rows.append(f"| {ranks} | {pp} x {dp} x {cp} x {tp} | {how} | stage {mine} | "
-                    f"{formula['state']:.4f}, {printed.group(1)} | "
-                    + " | ".join(f"{formula[k]:,.0f}, {seen[k]:,.0f}"
+                    f"{expected['state']:.4f}, {printed.group(1)} | "
+                    + " | ".join(f"{expected[k]:,.0f}, {seen[k]:,.0f}"
                                  for k in ("send", "tp", "dp", "cp"))
                     + " |")
         print(rows[-1], flush=True)

@@ -302,6 +302,25 @@ def test_the_planning_pages_tables_are_what_its_script_computes_now():
     assert tables.group(1) == planning.tables().strip()
 
 
+def test_the_planning_pages_small_scale_check_is_its_formula_and_the_counts_equal_it():
+    """Each row of the page's check (pasted from `python docs/planning.py --check`, which runs
+    nd.py) shows the formula the script computes now, and a count equal to it."""
+    spec = importlib.util.spec_from_file_location("planning", REPO / "docs" / "planning.py")
+    planning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planning)
+    page = (REPO / "docs" / "planning.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (\d+) x (\d+) x (\d+) x (\d+) \| (\w+)(?:, CP (\w+))? \| "
+                      r"stage [^|]+ \|(.*)\|$", page, re.M)
+    assert [(int(r[0]), int(r[1]), int(r[3]), int(r[4]), r[5], r[6] or None) for r in rows] == [
+        tuple(c) for c in planning.CHECKS]
+    for ranks, pp, _, cp, tp, schedule, _, cells in rows:
+        expected = planning.formula(int(ranks), int(pp), int(cp), int(tp), schedule)[2]
+        pairs = [cell.replace(",", "").split() for cell in cells.split("|")]
+        assert pairs[0] == [f"{expected['state']:.4f}", f"{expected['state']:.3f}"]
+        for key, (shown, seen) in zip(("send", "tp", "dp", "cp"), pairs[1:]):
+            assert float(shown) == float(seen) == expected[key], (ranks, schedule, key)
+
+
 def test_every_number_a_page_derives_from_the_code_is_what_the_code_gives_now():
     """Parameter counts, sizes, the zoo's size...: `python docs/derived.py` rewrites them."""
     assert derived().rewrite(REPO, write=False) == []
