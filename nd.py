@@ -255,7 +255,7 @@ def train(args, rank, world_size, device):
     dp = mesh["dp"].size()
     owner = placement(args, args.pp)  # stage i's "pp" rank: a loop, or a V (pipeline.py)
     held = [i for i, r in enumerate(owner) if r == mesh.get_local_rank("pp")]
-    # --- N-D: each stage cut, then TP's plan over "tp", then FSDP over "dp", then the pipe ---
+    # --- N-D: each stage cut, TP over "tp", FSDP over "dp_cp", CP over "cp", then the pipe ---
     # TP before fully_shard (tp.parallelize does both): the other order fails, "Cannot
     # distribute a DTensor with device mesh ...". Both before the PipelineStage (it takes the
     # stage as it will run) and the optimizer (it must hold the sharded parameters). A stage is
@@ -324,8 +324,9 @@ def train(args, rank, world_size, device):
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
-    # Every rank of one pipeline (its pp x tp ranks) walks the same batches: deal them over
-    # the D pipelines ("dp"), as tp.py deals them over its TP groups.
+    # Every rank of one pipeline (its pp x cp x tp ranks) walks the same batches: deal them
+    # over the D pipelines ("dp") only, as tp.py deals them over its TP groups; a CP rank keeps
+    # its own tokens of each. (Dealt over dp x cp, a CP group would cut different samples.)
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=mesh.get_local_rank("dp"),
                                  shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch_size // dp, sampler=sampler,
@@ -354,7 +355,7 @@ def train(args, rank, world_size, device):
                 else torch.zeros((), device=device, dtype=dtype))
         # --- end ---
         with record_function("optimizer step"):
-            # --- N-D: --clip by the norm of the whole gradient, over all three dimensions ---
+            # --- N-D: --clip by the norm of the whole gradient, over every dimension ---
             # The DTensors' norm covers "dp_cp" and "tp" (their squares summed over the stage's
             # ranks); the stages' squares are then added up over "pp". Clipped per stage, or
             # per TP group, each part would be scaled by a factor of its own.
