@@ -12,8 +12,8 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      max_diff, moe, needs_2_gpus, needs_cuda, ok, refused_in_one_line, succeeded,
-                      summary_val_loss, torchrun)
+                      max_diff, moe, needs_2_gpus, needs_cuda, ok, refused_in_one_line,
+                      run_as_only_rank, succeeded, summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
@@ -68,14 +68,20 @@ def test_fp64_ring_and_fsdp_allgather_with_accumulation_clipping_and_ac_equal_th
 def test_fp64_checkpoints_resume_across_ddp_and_fsdp_and_any_cp(runs, tmp_path):
     """DDP's ring checkpoint (step 40, 4 pieces per sequence), continued to step 48 by FSDP on
     2 data-parallel groups of 2 pieces (ring), clipping as it did; FSDP's (all-gather, dp 2 x
-    cp 2, the mixture) by DDP on 2 ranks (all-gather): both within 1e-9 of 48 uninterrupted
-    steps on one device, every printed loss and norm one device's. Nothing in the file depends
-    on the ranks, the pieces or the wrapper."""
+    cp 2, the mixture), gathered into one device's file, continued by DDP as torchrun's only
+    worker (in this process): both within 1e-9 of 48 uninterrupted steps on one device, every
+    printed loss and norm one device's. Nothing in the file depends on the ranks, the pieces
+    or the wrapper."""
     folder = runs["2 ranks, cp 2"][1].parent
-    assert_checkpoints_resume_to_the_oracle("cp.py", {
-        (4, "--cp=2", "--cp-method=ring", "--fsdp"): folder / "ckpt.pt",
-        (2, *moe(4, 2, 3)[0]): (folder / "fsdp.pt", SEED_B, None, moe(4, 2, 3)[1])},
-        tmp_path, SEED_A, FP64_CLIP)
+    assert_checkpoints_resume_to_the_oracle(
+        "cp.py", {(4, "--cp=2", "--cp-method=ring", "--fsdp"): folder / "ckpt.pt"}, tmp_path,
+        SEED_A, FP64_CLIP)
+    copy = tmp_path / "fsdp.pt"  # the resumed run writes its own step 48 there
+    copy.write_bytes((folder / "fsdp.pt").read_bytes())
+    flags, mixture = moe(4, 2, 3)
+    run = run_as_only_rank("cp", [*fp64(SEED_B, 48), *flags, f"--checkpoint={copy}"], tmp_path)
+    assert "at step 40" in run[0]
+    assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, 48, **mixture)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
