@@ -24,13 +24,13 @@ What it teaches
     2C-1-i, an early one and a late one: every rank the same work. Each token keeps its place:
     the position embedding reads the token's position in its sequence, not on its rank.
     Weights and their gradients are whole on every rank, as in DDP (a CP rank, like a DP rank,
-    saw part of the batch): DDP averages them over every rank. --fsdp shards them instead,
-    with fully_shard over the same ranks, data x context (long contexts come with big models),
-    which averages alike; over the data ranks only, the CP ranks' parts of each gradient would
-    never be added, silently. With --cp C smaller than the
+    saw part of the batch): DDP averages them over every rank. With --cp C smaller than the
     world size W, the ranks form a grid of W/C groups ("dp") of C ("cp"), each group on samples
     of its own. Each rank's loss is the mean over its own tokens: every rank holds as many, so
-    their average over the W ranks is the mean over the batch. With global batch B the result
+    their average over the W ranks is the mean over the batch. --fsdp shards the weights,
+    gradients and Adam's state instead (long contexts come with big models), with fully_shard
+    over the same W ranks, data x context, which averages alike; over "dp" only, the CP ranks'
+    parts of each gradient would never be added, silently. With global batch B the result
     equals one device with batch B: the tests prove it in float64 to 1e-9.
 
 When to use it
@@ -313,12 +313,13 @@ def train(args, rank, world_size, device):
         # --- FSDP x CP: shard over the data and context ranks together: here, every rank ---
         # FSDP averages each gradient over the mesh it is given, as DDP: each rank's loss is
         # the mean over its own tokens, their average the batch's. Over "dp" only, a CP group's
-        # parts of each gradient would never be added: silently wrong. A loss summed over the
-        # batch's tokens would be divided twice (then: set_gradient_divide_factor(1)).
+        # parts of each gradient would never be added: silently wrong. A loss already divided
+        # by all the batch's tokens would be divided again: then set_gradient_divide_factor(1).
+        # No broadcast (DDP's): every rank built the same weights from --seed; each keeps its shard.
         everyone = init_device_mesh(device.type, (world_size,))  # dp x cp, flattened
         for block in model.blocks.values():  # each block whole only while it runs
             fully_shard(block, mesh=everyone)
-        ddp_model = fully_shard(model, mesh=everyone)  # the rest; the model itself, sharded
+        ddp_model = fully_shard(model, mesh=everyone)  # the model itself, named as DDP's wrapper
         # --- end ---
     else:
         # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
@@ -381,8 +382,7 @@ def train(args, rank, world_size, device):
             # larger (0: never; the norm is still measured). Returns the norm before clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
-            if args.fsdp:  # of DTensor shards: their squares summed over the mesh
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = grad_norm.full_tensor() if args.fsdp else grad_norm  # FSDP: a DTensor
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -433,7 +433,7 @@ def load_checkpoint(args, model, optimizer):
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
         # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
         # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
-        # load_state_dict then copies the weights and the moments to their device.
+        # the set_*_state_dict calls then copy the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         # (FSDP: each rank keeps its shards of the file's whole tensors)
         set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))

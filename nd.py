@@ -48,9 +48,10 @@ Launch
 
 What is added to the pipeline
     diff pipeline.py nd.py: the mesh, then per stage tp.py's plan and FSDP (tp.parallelize)
-    and cp.py's attention before the PipelineStage; the orders are said at their lines, with the error each other
-    order gives. Built on "meta", filled from rank 0's CPU and a checkpoint gathered back to
-    it one tensor at a time: a device holds its pieces and one whole tensor (docs/memory.md).
+    and cp.py's attention before the PipelineStage; the orders are said at their lines, with
+    the error each other order gives. Built on "meta", filled from rank 0's CPU, a checkpoint
+    gathered back to it a tensor at a time: a device holds its pieces and one whole tensor
+    (docs/memory.md).
 
 Docs
     https://pytorch.org/docs/stable/distributed.pipelining.html
@@ -84,7 +85,7 @@ from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch, leave, rendezvous
 from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
 from tp import parallelize  # TP's plan, then fully_shard over "dp_cp": tp.py's 2D, per stage
-from cp import cut_sequences  # each block's attention across the CP group (cp.py)
+from cp import cut_sequences, token_positions  # attention across the CP group (cp.py)
 
 
 def parse_args(argv=None):
@@ -170,10 +171,11 @@ def make_mesh(args, world_size, device):
     """The mesh, (pp, dp, cp, tp) row-major, its dimensions named, and the same ranks as
     (pp, dp_cp, tp), FSDP's view; refused in one line if a TP group would span machines."""
     # --- N-D: one mesh; its last dimensions' ranks are consecutive, on one machine ---
-    # Row-major: a TP group is T consecutive ranks, which torchrun puts on one machine, and a
-    # CP group (its K and V exchanges per block) C x T; a pipeline's stages are dp x cp x tp
-    # ranks apart, across machines. The other order, tp first, would put TP's all-reduces, two
-    # per block each way, on the network.
+    # Row-major: a TP group is T consecutive ranks, which torchrun puts on one machine; a CP
+    # group's C ranks are T apart, within C x T consecutive ones (on one machine when C x T fits
+    # in it: K and V cross the group in every block, forward and backward); a pipeline's stages
+    # are dp x cp x tp ranks apart, across machines. The other order, tp first, would put TP's
+    # all-reduces, two per block each way, on the network.
     dp = world_size // (args.pp * args.cp * args.tp)
     mesh = init_device_mesh(device.type, (args.pp, dp, args.cp, args.tp),
                             mesh_dim_names=("pp", "dp", "cp", "tp"))
@@ -184,9 +186,9 @@ def make_mesh(args, world_size, device):
     shards = init_device_mesh(device.type, (args.pp, dp * args.cp, args.tp),
                               mesh_dim_names=("pp", "dp_cp", "tp"))
     # torchrun numbers ranks machine by machine: a group whose ranks // the ranks per machine
-    # differ spans machines. Checked, because the mesh's shape cannot tell its order.
+    # differ spans machines. Checked on the mesh TP runs on: a mesh's shape cannot tell its order.
     per_machine = int(os.environ["LOCAL_WORLD_SIZE"])
-    group = mesh["tp"].mesh.flatten().tolist()
+    group = shards["tp"].mesh.flatten().tolist()
     if len({r // per_machine for r in group}) > 1:
         fail(f"nd.py: error: the TP group {group} spans machines of {per_machine} ranks: "
              "build the mesh with \"tp\" last, (pp, dp, cp, tp), so its ranks are consecutive")
@@ -267,9 +269,9 @@ def train(args, rank, world_size, device):
         compile_and_checkpoint(part.blocks.values(), args)  # per block, before any wrapper
         stages.append(parallelize(part, shards, shard_blocks=False, shard_over="dp_cp"))
         part.to_empty(device=device)  # storage for this rank's pieces only, uninitialized
-        # CP: each block's attention across "cp" (cp.py's); this rank's tokens' positions
-        positions = (cut_sequences(part, mesh, args.cp_method) if args.cp > 1
-                     else torch.arange(SEQ_LEN))
+        if args.cp > 1:  # CP: each block's attention across "cp" (cp.py's)
+            cut_sequences(part, mesh, args.cp_method)
+    positions = token_positions(mesh.get_local_rank("cp"), args.cp)  # this rank's tokens
     where = positions.to(device)  # on the device too: the position embedding's input
     full = {}  # the real weights, on rank 0's CPU only: the file's, or one device's (--seed)
     if rank == 0 and state is not None:
@@ -299,10 +301,9 @@ def train(args, rank, world_size, device):
                                 dtype=dtype, requires_grad=True))
         for i, part in zip(held, stages)]
     # scale_grads: the M micro-batches' mean losses add up to M times the pipeline's gradient,
-    # divided by M here; FSDP then averages over "dp_cp" (each rank's loss the mean over its
-    # own tokens, as in cp.py): one device's gradient. (Divided by M
-    # in loss_fn as well, it would be M times too small.) The stage keeps FSDP from reducing
-    # until the last micro-batch, then runs FSDP's reduce itself, before scale_grads.
+    # divided by M here (in loss_fn too: M times too small); FSDP then averages over "dp_cp",
+    # each rank's loss the mean over its own tokens (cp.py's): one device's gradient. The stage
+    # keeps FSDP from reducing until the last micro-batch, then runs its reduce, before scale_grads.
     schedule_class, per_rank, _ = SCHEDULES[args.schedule]
     schedule = schedule_class(pipe[0] if per_rank == 1 else pipe, scale_grads=True,
                               n_microbatches=args.microbatches, loss_fn=loss_fn)
@@ -324,9 +325,8 @@ def train(args, rank, world_size, device):
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
     dataset, val_set = make_dataset("train"), make_dataset("val")
-    # Every rank of one pipeline (its pp x cp x tp ranks) walks the same batches: deal them
-    # over the D pipelines ("dp") only, as tp.py deals them over its TP groups; a CP rank keeps
-    # its own tokens of each. (Dealt over dp x cp, a CP group would cut different samples.)
+    # Every rank of a pipeline (pp x cp x tp) walks the same batches: dealt over "dp" only (over
+    # dp x cp, a CP group would cut different samples); each CP rank keeps its tokens of them.
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=mesh.get_local_rank("dp"),
                                  shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch_size // dp, sampler=sampler,
@@ -389,8 +389,8 @@ def train(args, rank, world_size, device):
                 # Not get_state_dict(full_state_dict=True): a stage and its moments whole on
                 # each rank's device (cpu_offload=True keeps them on global rank 0 only: other
                 # stages' senders get none). gather_full_state makes each DTensor whole by
-                # full_tensor() (an all-gather over its stage's dp x tp ranks), the stage's first
-                # rank sends it to rank 0, into its CPU, and it is freed before the next.
+                # full_tensor() (an all-gather over its stage's dp x cp x tp ranks), the stage's
+                # first rank sends it to rank 0, into its CPU, and it is freed before the next.
                 weights, adam = gather_full_state(args, list(zip(stages, optimizers)))
                 # --- end ---
                 if rank == 0:

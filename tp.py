@@ -237,8 +237,8 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
     check_cut(model, tensors)  # every layer the plan cuts is cut, no tie split: checked
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
-    # TP first, then fully_shard cuts the pieces over "dp" (1/(D*T) of a block per rank); the
-    # other order fails ("Cannot distribute a DTensor with device mesh ..."). Blocks, then root.
+    # TP first, then fully_shard over mesh[shard_over] cuts the pieces (1/(D*T) of a block per
+    # rank); the other order fails, "Cannot distribute a DTensor with device mesh". Blocks, root.
     if mesh[shard_over].size() > 1:
         for block in model.blocks.values() if shard_blocks else ():
             fully_shard(block, mesh=mesh[shard_over])

@@ -1,10 +1,10 @@
 """Measure the distances of docs/exercises.md: each mistake of the bug zoo (tests/test_zoo.py),
 and the correct script on the same flags, against one device, in fp32 and in fp64.
 
-    python docs/exercises.py       # minutes: 60 launches
+    python docs/exercises.py       # tens of minutes: 4 launches a row
     python docs/exercises.py "TP group fed by rank"     # only the rows named
 
-Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 360, lr 0.03, hidden 24, 3 blocks of
+Every run is FP64_JOB (tests/conftest.py: 40 steps of batch 180, lr 0.01, hidden 24, 3 blocks of
 3 heads; 4 heads where TP cuts them in 2) on the zoo's seed, launched as the zoo launches it,
 once with --fp64 and once without; each is compared with tests/reference.py in the same
 precision. Prints the max weight difference and the printed validation loss's distance from the

@@ -1,8 +1,9 @@
 """A checkpoint's bookkeeping: saved atomically, on the CPU, with the train state that says
 whether a run can continue it; one device's file gathered from ranks that each hold a slice
-of the model (ep.py, pipeline.py, nd.py), and each rank's share of Adam's state read back
-from it. Every script's save_checkpoint and load_checkpoint call these; what a learner must
-see stays in the script (weights_only, map_location, the unwrap, DCP, what each rank holds).
+of the model (ep.py, pipeline.py, nd.py, cp.py --fsdp), and each rank's share of Adam's state
+read back from it. Every script's save_checkpoint and load_checkpoint call these; what a
+learner must see stays in the script (weights_only, map_location, the unwrap, DCP, what each
+rank holds).
 """
 
 import os
@@ -90,10 +91,10 @@ def named_adam(full_state, args, held=None):
     parameter name instead, as set_optimizer_state_dict(full_state_dict=True) takes it, which
     then cuts each tensor as its parameter is cut (FSDP's shards, TP's); `held`: a module
     whose names are a slice of one device's (a pipeline stage), else every parameter."""
-    names = [name for name, _ in one_device(args).named_parameters()]
-    held = names if held is None else [name for name, _ in held.named_parameters()]
+    index = {name: i for i, (name, _) in enumerate(one_device(args).named_parameters())}
+    held = list(index) if held is None else [name for name, _ in held.named_parameters()]
     group = dict(full_state["param_groups"][0], params=held)
-    return {"state": {name: full_state["state"][names.index(name)] for name in held},
+    return {"state": {name: full_state["state"][index[name]] for name in held},
             "param_groups": [group]}
 
 

@@ -3,6 +3,7 @@ it decides by platform (peak memory, the store) lets every script start on macOS
 
 import re
 import sys
+import threading
 import types
 
 import pytest
@@ -94,10 +95,13 @@ def test_every_script_starts_and_trains_a_step_where_plumbing_takes_it_for_macos
     monkeypatch.setattr(plumbing.ranks, "sys", Platform(platform))
     if platform == "win32":
         monkeypatch.setattr(plumbing.meter, "resource", None)
-    stores = []
+    # The stores this run makes, in this thread: the queued launches' own (conftest's threads)
+    # go through the same torch.distributed.TCPStore meanwhile
+    stores, here = [], threading.get_ident()
     real_store = plumbing.ranks.dist.TCPStore
     monkeypatch.setattr(plumbing.ranks.dist, "TCPStore",
-                        lambda *args, **kwargs: stores.append(kwargs)
+                        lambda *args, **kwargs: (threading.get_ident() == here
+                                                 and stores.append(kwargs))
                         or real_store(*args, **kwargs))
     flags = ["--steps=1", *(["--dtype=fp32"] if script == "amp" else [])]
     run = run_in_process if script in ("single", "dataparallel", "amp") else run_as_only_rank

@@ -73,11 +73,11 @@ def test_fp64_checkpoints_resume_across_ddp_and_fsdp_and_any_cp(runs, tmp_path):
     printed loss and norm one device's. Nothing in the file depends on the ranks, the pieces
     or the wrapper."""
     folder = runs["2 ranks, cp 2"][1].parent
-    assert_checkpoints_resume_to_the_oracle(
-        "cp.py", {(4, "--cp=2", "--cp-method=ring", "--fsdp"): folder / "ckpt.pt"}, tmp_path,
-        SEED_A, FP64_CLIP)
-    copy = tmp_path / "fsdp.pt"  # the resumed run writes its own step 48 there
+    ring, copy = tmp_path / "ring.pt", tmp_path / "fsdp.pt"  # a resumed run writes step 48 there
+    ring.write_bytes((folder / "ckpt.pt").read_bytes())
     copy.write_bytes((folder / "fsdp.pt").read_bytes())
+    assert_checkpoints_resume_to_the_oracle(
+        "cp.py", {(4, "--cp=2", "--cp-method=ring", "--fsdp"): ring}, tmp_path, SEED_A, FP64_CLIP)
     flags, mixture = moe(4, 2, 3)
     run = run_as_only_rank("cp", [*fp64(SEED_B, 48), *flags, f"--checkpoint={copy}"], tmp_path)
     assert "at step 40" in run[0]
@@ -153,8 +153,8 @@ def test_cp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
 
 @needs_2_gpus
 def test_cp_fsdp_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
-    """FSDP over both ranks, each sequence in 2 pieces, over NCCL. Not yet run: no session of
-    this project has had 2 GPUs."""
+    """FSDP over both ranks, each sequence in 2 pieces, over NCCL. Skipped without 2 GPUs; never
+    run on them."""
     result = torchrun(2, "cp.py", *CUDA_JOB_FLAGS, "--fsdp", f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 

@@ -155,6 +155,14 @@ def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
     assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
     assert mesh["tp"].mesh.tolist() == [0, 1] and mesh["pp"].mesh.tolist() == [0, 4]
     assert shards["dp_cp"].mesh.tolist() == mesh["dp"].mesh.tolist() == [0, 2]
+    # 2 (pp) x 2 (dp) x 2 (cp): rank 0's data group [0, 2], its CP group [0, 1]; FSDP's view
+    # holds the four ranks of both, and its pipeline and TP groups are the mesh's
+    mesh, shards = nd.make_mesh(types.SimpleNamespace(pp=2, cp=2, tp=1), 8,
+                                types.SimpleNamespace(type="cpu"))
+    assert mesh["dp"].mesh.tolist() == [0, 2] and mesh["cp"].mesh.tolist() == [0, 1]
+    assert shards["dp_cp"].mesh.tolist() == [0, 1, 2, 3]
+    assert shards["pp"].mesh.tolist() == mesh["pp"].mesh.tolist() == [0, 4]
+    assert shards["tp"].mesh.tolist() == mesh["tp"].mesh.tolist() == [0]
 
 
 @pytest.mark.parametrize("world, flags, message", [

@@ -193,7 +193,11 @@ MISTAKES = {
         "    mesh = init_device_mesh(device.type, (args.pp, dp, args.cp, args.tp),\n"
         "                            mesh_dim_names=(\"pp\", \"dp\", \"cp\", \"tp\"))\n",
         "    mesh = init_device_mesh(device.type, (args.tp, dp, args.cp, args.pp),\n"
-        "                            mesh_dim_names=(\"tp\", \"dp\", \"cp\", \"pp\"))\n")]),
+        "                            mesh_dim_names=(\"tp\", \"dp\", \"cp\", \"pp\"))\n"), (
+        "    shards = init_device_mesh(device.type, (args.pp, dp * args.cp, args.tp),\n"
+        "                              mesh_dim_names=(\"pp\", \"dp_cp\", \"tp\"))\n",
+        "    shards = init_device_mesh(device.type, (args.tp, dp * args.cp, args.pp),\n"
+        "                              mesh_dim_names=(\"tp\", \"dp_cp\", \"pp\"))\n")]),
     "TP: a tied weight made a DTensor module by module": ("tp.py", [(
         "distribute_module(module, mesh[\"tp\"], replicate_once, input_fn=replicated,",
         "distribute_module(module, mesh[\"tp\"], input_fn=replicated,"), (
@@ -517,8 +521,8 @@ def test_a_cp_loss_normalized_twice_prints_a_gradient_norm_w_times_too_small(lau
 
 def test_positions_not_passed_to_the_stages_embed_every_piece_at_the_start(launched):
     """Without the keyword, the first stage embeds each rank's pieces at positions 0..S/C-1:
-    rank 1's (the 2nd and 3rd quarters) are taken for the sequence's start. It trains, and
-    misses one device."""
+    every piece but rank 0's first quarter is embedded at another place than its own (rank
+    1's 2nd and 3rd quarters as the sequence's start). It trains, and misses one device."""
     out, weights = launched["ND: positions not passed to the stages"]
     assert logged_losses(out)[-1] < logged_losses(out)[0]
     assert distance(weights, steps=4) > FP64_TOL
