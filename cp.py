@@ -313,8 +313,8 @@ def train(args, rank, world_size, device):
         # --- FSDP x CP: shard over the data and context ranks together: here, every rank ---
         # FSDP averages each gradient over the mesh it is given, as DDP: each rank's loss is
         # the mean over its own tokens, their average the batch's. Over "dp" only, a CP group's
-        # parts of each gradient would never be added: silently wrong. A loss already divided
-        # by all the batch's tokens would be divided again: then set_gradient_divide_factor(1).
+        # parts of each gradient would never be added, silently (docs/traps.md#fsdp-over-dp-x-cp).
+        # A loss already divided by the batch's tokens: docs/traps.md#loss-normalized-twice.
         # No broadcast (DDP's): every rank built the same weights from --seed; each keeps its shard.
         everyone = init_device_mesh(device.type, (world_size,))  # dp x cp, flattened
         for block in model.blocks.values():  # each block whole only while it runs

@@ -5,8 +5,8 @@ What it teaches
     a machine (two activation all-reduces per block each way, on the fastest links), CP beside
     it for long sequences (K and V per block), stages across machines (only the activations at
     the cuts travel), and FSDP over the rest (one all-gather and one reduce-scatter per block,
-    overlapped). Here the W ranks form one DeviceMesh of shape (pp, dp, cp, tp), named, built
-    once from --pp P, --cp C and --tp T (dp = W/(P C T)):
+    overlapped). Here the W ranks form a DeviceMesh of shape (pp, dp, cp, tp), named (and
+    FSDP's view of it, (pp, dp_cp, tp)), from --pp P, --cp C and --tp T (dp = W/(P C T)):
     - "pp": the P ranks that hold the stages of one pipeline (pipeline.py's `cut`, V stages
       per rank with --stages-per-rank, placed in a loop or a V), driven by any of its
       schedules (--schedule);
@@ -290,7 +290,7 @@ def train(args, rank, world_size, device):
     del full  # rank 0's copy: each stage holds its pieces now
     # A PipelineStage talks along "pp" only (group=): its neighbours are the ranks with the same
     # dp, cp and tp coordinates. Each micro-batch is 1/(dp M) of the global batch, and 1/C of
-    # each sequence: left at SEQ_LEN, the receive takes the larger buffer and the run dies later.
+    # each sequence: left at SEQ_LEN, gloo takes the larger buffer, and the run dies later.
     shape = (args.batch_size // (dp * args.microbatches), SEQ_LEN // args.cp)
     last = args.stages - 1
     pipe = [PipelineStage(

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common import SEQ_LEN
-from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, TOL,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS,
+                      JOB_FLAGS, REPO, TOL, launch, load_saved, mutated, ranks_cmd,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
@@ -82,6 +83,28 @@ def test_fp64_checkpoints_resume_across_ddp_and_fsdp_and_any_cp(runs, tmp_path):
     run = run_as_only_rank("cp", [*fp64(SEED_B, 48), *flags, f"--checkpoint={copy}"], tmp_path)
     assert "at step 40" in run[0]
     assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, 48, **mixture)
+
+
+def test_a_loss_divided_by_the_batchs_tokens_trains_right_with_fsdps_division_off(
+        reference, tmp_path):
+    """The fix for a loss already divided by all the batch's tokens (docs/exercises.md, 29):
+    FSDP's division off, set_gradient_divide_factor(1) on every FSDP module, and, on gloo,
+    which has no PREMUL_SUM (the reduction fp32 then asks for), set_force_sum_reduction_for_
+    comms(True). In fp32 on JOB, 2 x 2 ranks: the weights and every printed gradient norm are
+    one device's. (The printed loss is each rank's share, averaged: 1/4 of the batch's.)"""
+    from test_zoo import MISTAKES
+    line = ("        ddp_model = fully_shard(model, mesh=everyone)  # the model itself, named as "
+            "DDP's wrapper\n")
+    fix = (line, line + "        for module in model.modules():  # (the fix)\n"
+                        "            if isinstance(module, FSDPModule):\n"
+                        "                module.set_gradient_divide_factor(1.0)\n"
+                        "                module.set_force_sum_reduction_for_comms(True)\n")
+    path = mutated("cp.py", [*MISTAKES["CP x FSDP: the loss normalized twice"][1], fix],
+                   tmp_path, "FSDP's division off")
+    out = ok(launch(*ranks_cmd(4, path, *JOB_FLAGS, "--cp=2", "--fsdp",
+                               f"--save={tmp_path / 'w.pt'}"), env={"PYTHONPATH": str(REPO)}))
+    assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
+    assert_norms_are_the_oracles(out, reference[3])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
