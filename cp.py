@@ -154,10 +154,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            x, y = x[:real, positions].to(device), y[:real, positions].to(device)  # its tokens
-            real -= len(x)
-            # A CP forward is a collective: padded, every rank forwards as often.
-            sums[0] += loss_fn(model(x, positions=positions.to(device)), y, reduction="sum")
+            x, y = x[:, positions].to(device), y[:real, positions].to(device)  # its tokens
+            real -= len(y)
+            # A CP forward is a collective: every rank forwards the padded batch whole, as
+            # often, then scores its real samples (cut first, the last could be empty).
+            logits = model(x, positions=positions.to(device))[:len(y)]
+            sums[0] += loss_fn(logits, y, reduction="sum")
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     # Over every rank: each holds tokens no other rank has.
@@ -280,13 +282,13 @@ def attend_ring(q, k, v, group):
 def cut_sequences(model, mesh, method):
     """Make each block's attention reach across mesh["cp"]; return this rank's tokens' positions."""
     group, cp_rank, cp = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh["cp"].size()
-    positions = token_positions(cp_rank, cp)
+    positions, where = token_positions(cp_rank, cp), next(model.parameters()).device
     for block in model.blocks.values():
         if method == "allgather":
             all_positions = torch.cat([token_positions(r, cp) for r in range(cp)])
             block.attn.attend = functools.partial(
-                attend_allgather, group=group, positions=positions.to(block.attn.q.weight.device),
-                all_positions=all_positions.to(block.attn.q.weight.device))
+                attend_allgather, group=group, positions=positions.to(where),
+                all_positions=all_positions.to(where))
         else:
             block.attn.attend = functools.partial(attend_ring, group=group)
     return positions

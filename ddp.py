@@ -112,11 +112,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            x, y = x[:real].to(device), y[:real].to(device)  # the padded duplicates: left out
-            real -= len(x)
+            # Forwarded whole, then cut: a rank's last batch can be empty, and forwards fail on it
+            logits, y = model(x.to(device))[:real], y[:real].to(device)
+            real -= len(y)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
-            sums[0] += loss_fn(model(x), y, reduction="sum")
+            sums[0] += loss_fn(logits, y, reduction="sum")
             sums[1] += y.numel()
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)

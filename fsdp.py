@@ -80,6 +80,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import check_resumable, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import positive
@@ -197,12 +198,15 @@ def train(args, rank, world_size, device):
     model.to_empty(device=device)  # storage for this rank's shards only (uninitialized)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
     # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).
-    full = {}
+    one = None
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel.from_args(args).to(dtype).state_dict()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                              broadcast_from_rank0=True))
+        one = SimpleModel.from_args(args).to(dtype)
+    set_model_state_dict(model, one.state_dict() if one else {}, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    # A state_dict leaves out the non-persistent buffers (RoPE's inv_freq): to_empty() left
+    # them uninitialized memory, silently. Rank 0's to every rank (plumbing/buffers.py).
+    fill_buffers(model, one, device)
     # --- end ---
     # After sharding, never before: it makes every parameter a DTensor, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.

@@ -76,6 +76,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import check_resumable, gather_full_state, save_atomic, train_state
 from plumbing.checkpoints import named_adam, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
@@ -116,7 +117,7 @@ def parse_args(argv=None):
         parser.error("--pp 1: no pipeline; use tp.py (FSDP x TP) or fsdp.py")
     check_stages(parser, args, args.pp, gpus)  # pipeline.py's: schedule, stages, micro-batches
     check_mesh(parser, args, world_size, local_world)
-    check_model(parser, args)  # and the model: what would train silently wrong, refused
+    check_model(parser, args, cut=cut)  # and the model: what would train silently wrong, refused
     return args
 
 
@@ -213,9 +214,9 @@ def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, po
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            # the padded duplicates left out; CP: this rank's tokens of each sequence
-            x, y = x[:real].to(device)[:, positions], y[:real].to(device)[:, positions]
-            real -= len(x)
+            # Forwarded whole, then cut (the last could be empty); CP: this rank's tokens
+            x, y = x.to(device)[:, positions], y[:real].to(device)[:, positions]
+            real -= len(y)
             mine = iter(stages)
             for i in (i for i, r in enumerate(owner) if r == me):
                 stage_module = next(mine)
@@ -229,7 +230,7 @@ def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, po
                               group=pp)
                 # --- end ---
             if owner[-1] == me:  # only the last stage has outputs to score
-                sums[0] += loss_fn(x, y, reduction="sum")
+                sums[0] += loss_fn(x[:len(y)], y, reduction="sum")
                 sums[1] += y.numel()
     # Over "dp_cp" (the pipelines' shards, each CP rank's tokens), then "pp" (to the stages
     # without the loss); the T ranks of a TP group hold the same sums.
@@ -273,12 +274,11 @@ def train(args, rank, world_size, device):
             cut_sequences(part, mesh, args.cp_method)
     positions = token_positions(mesh.get_local_rank("cp"), args.cp)  # this rank's tokens
     where = positions.to(device)  # on the device too: the position embedding's input
-    full = {}  # the real weights, on rank 0's CPU only: the file's, or one device's (--seed)
-    if rank == 0 and state is not None:
-        full = state["model"]
-    elif rank == 0:
+    full = one = None  # on rank 0's CPU only: one device's model (--seed), its weights or the file's
+    if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel.from_args(args).to(dtype).state_dict()
+        one = SimpleModel.from_args(args).to(dtype)
+        full = state["model"] if state is not None else one.state_dict()
     # Rank 0's tensors one at a time to all ranks (a collective: a call per stage held, the j-th
     # for each rank's j-th stage), each keeping its pieces; not strict: others' keys are there.
     for j, part in enumerate(stages):
@@ -287,7 +287,8 @@ def train(args, rank, world_size, device):
         set_model_state_dict(part, {name: full[name] for name in names} if full else {},
                              options=StateDictOptions(full_state_dict=True,
                                                       broadcast_from_rank0=True, strict=False))
-    del full  # rank 0's copy: each stage holds its pieces now
+    fill_buffers(stages, one, device, full=model)  # what no state_dict holds (fsdp.py says why)
+    del full, one  # rank 0's copy: each stage holds its pieces now
     # A PipelineStage talks along "pp" only (group=): its neighbours are the ranks with the same
     # dp, cp and tp coordinates. Each micro-batch is 1/(dp M) of the global batch, and 1/C of
     # each sequence: left at SEQ_LEN, gloo takes the larger buffer, and the run dies later.

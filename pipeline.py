@@ -97,7 +97,7 @@ def parse_args(argv=None):
     # torchrun's ranks, or the --nproc workers started here: a stage each
     world_size, _, gpus = launch_world(parser, args, data_parallel=False, stages=True)
     check_stages(parser, args, world_size, gpus)
-    check_model(parser, args)  # and the model: what would train silently wrong, refused
+    check_model(parser, args, cut=cut)  # and the model: what would train silently wrong, refused
     return args
 
 

@@ -82,6 +82,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import check_resumable, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import check_tp, grid, positive
@@ -201,7 +202,8 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
     # parts; loss parallelism cuts the head over the vocabulary and leaves its logits cut.
     first = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
                                use_local_output=True)
-    ends = {"blocks.0": first} if sequence_parallel else {}
+    block0 = next(n for n, m in model.named_modules() if m is next(iter(model.blocks.values())))
+    ends = {block0: first} if sequence_parallel else {}
     if vocab_parallel:
         styles["head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
                                          use_local_output=False)
@@ -219,6 +221,9 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
     def replicated(_, inputs, tp_mesh):
         return tuple(x if isinstance(x, DTensor) else
                      DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False) for x in inputs)
+    def local(_, output, tp_mesh):  # a tensor, or a tuple of them (a router's, say)
+        return tuple(local(_, o, tp_mesh) for o in output) if isinstance(output, tuple) else \
+            output.to_local() if isinstance(output, DTensor) else output
     # Each parameter made a DTensor once: a weight two modules share (a head tied to the
     # embedding), made one module at a time, would become two copies, trained apart, silently.
     replicas = {}
@@ -233,7 +238,7 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
         held = list(module.parameters(recurse=False))
         if held and not isinstance(held[0], DTensor):
             distribute_module(module, mesh["tp"], replicate_once, input_fn=replicated,
-                              output_fn=lambda _, output, tp_mesh: output.to_local())
+                              output_fn=local)
     check_cut(model, tensors)  # every layer the plan cuts is cut, no tie split: checked
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
@@ -265,12 +270,15 @@ def train(args, rank, world_size, device):
     model.to_empty(device=device)  # storage for this rank's shards only (uninitialized)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
     # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).
-    full = {}
+    one = None
     if rank == 0:
         seed_everything(args.seed)
-        full = SimpleModel.from_args(args).to(dtype).state_dict()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                              broadcast_from_rank0=True))
+        one = SimpleModel.from_args(args).to(dtype)
+    set_model_state_dict(model, one.state_dict() if one else {}, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    # A state_dict leaves out the non-persistent buffers (RoPE's inv_freq): to_empty() left
+    # them uninitialized memory, silently. Rank 0's to every rank (plumbing/buffers.py).
+    fill_buffers(model, one, device)
     # --- end ---
     # After sharding, never before: it makes every parameter a DTensor, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.

@@ -65,6 +65,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 # common.py and plumbing/ are one folder up, in the collection's root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import positive
@@ -256,8 +257,10 @@ def train(args, rank, world_size, device):
     if len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False))):
         fail("from_scratch/fsdp.py: error: the model ties weights, which two units or two views "
              "would hold apart; untie them, or use fsdp.py")
-    model.units = [Unit(model, f"blocks.{name}", full, device, not keep)
-                   for name in model.blocks] + [Unit(model, "", full, device, not keep)]
+    path = {id(m): name for name, m in model.named_modules()}  # "blocks.0", wherever they sit
+    model.units = [Unit(model, path[id(block)], full, device, not keep)
+                   for block in model.blocks.values()] + [Unit(model, "", full, device, not keep)]
+    fill_buffers(model, full, device)  # no unit holds buffers: rank 0's (plumbing/buffers.py)
     # --- end ---
     # After sharding, never before: the model's parameters are then the shards, and an
     # optimizer built earlier would hold the old tensors, which get no gradients: silently.

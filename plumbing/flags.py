@@ -11,6 +11,7 @@ at the one place in each script where their order matters.
 import argparse
 import functools
 import os
+import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,6 +38,16 @@ def positive(kind):
     return parse
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals are one line, `prog: error: ...` (no usage block
+    above it), printed by one process: under torchrun every rank parses the same flags."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
 def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True, replicas=False,
                   nproc_help="workers to start without torchrun (default: 1 per GPU, 2 on a CPU)"):
     """An ArgumentParser with the flags every script shares, in groups a script adds to
@@ -47,7 +58,7 @@ def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True, replica
     refused in one line (the script trains the dense model only). replicas: one process copies
     the model onto every GPU at every step (DataParallel, dataparallel.py): check_shared_flags
     refuses what cannot follow the copies, and check_model counts them as ranks."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser = Parser(description=doc.split("\n")[0])
     parser.moe, parser.replicas = moe, replicas
     groups = parser.groups = {title: parser.add_argument_group(title)
                               for title in ("training", "model", "hardware", "output")}

@@ -81,14 +81,14 @@ def rendezvous(args, device, script, who="ranks", gloo_fallback=False):
         if args.backend != "auto" or sharers > 1:
             backend = "gloo" if args.backend == "auto" else args.backend
         if backend == "nccl" and sharers > 1:
-            fail(f"{name}: error: {sharers} ranks, one GPU: use --backend gloo")
+            fail(f"{name}: error: {sharers} ranks, one GPU: use --backend gloo", every_rank=True)
         if sharers > 1 and rank == 0:
             # Host copies: a test setup; EXCLUSIVE_PROCESS GPUs refuse it
             # (docs/traps.md#gloo-on-gpus).
             print(f"{name[:-3]}: {sharers} ranks share a GPU over gloo: slow", flush=True)
     elif sharers > 1:
         fail(f"{name}: error: {sharers} {who} drive one GPU, and NCCL needs one GPU per "
-             f"{who[:-1]}: use fewer {who}")
+             f"{who[:-1]}: use fewer {who}", every_rank=True)
     return store, backend
 
 
@@ -166,7 +166,7 @@ def as_rank(run, args):
         fail(f"{os.path.basename(sys.argv[0])}: error: rank {os.environ.get('RANK')}: a "
              f"collective gave up ({said}): a peer stopped, or the ranks did "
              f"not all make the same collectives (--timeout {args.timeout:g} s)",
-             leave_group=False)
+             leave_group=False, every_rank=True)
 
 
 def launch(run, args):
@@ -202,7 +202,7 @@ def launch(run, args):
                          else f"{os.path.basename(sys.argv[0])}: {e}")
 
 
-def fail(message, leave_group=True):
+def fail(message, leave_group=True, every_rank=False):
     """Stop this process with `message` as its one error line (on stderr) and exit status 1.
 
     Under torchrun the line also goes into the error file torchrun gives each worker
@@ -222,7 +222,9 @@ def fail(message, leave_group=True):
         with open(error_file, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {
                 "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
-    raise SystemExit(message)
+    # Said once, by rank 0 (the others exit 1 in silence), unless every_rank: a stop that
+    # depends on the rank (its GPU, its peers), where rank 0 may not be among those stopping.
+    raise SystemExit(message if every_rank or os.environ.get("RANK", "0") == "0" else 1)
 
 
 def quiet_known_warnings():

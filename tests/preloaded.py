@@ -35,6 +35,10 @@ import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.fsdp  # noqa: E402,F401
 import torch.distributed.pipelining  # noqa: E402,F401
 import torch.distributed.tensor.parallel  # noqa: E402,F401
+try:  # Hugging Face's models, where tests/requirements.txt installed them
+    import transformers  # noqa: E402,F401
+except ImportError:
+    pass
 
 
 def run(proc, request, replies):

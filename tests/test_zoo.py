@@ -53,9 +53,8 @@ MISTAKES = {
         "            with ddp_model.no_sync() if micro < args.accum_steps - 1 else "
         "contextlib.nullcontext():\n")]),
     "mean of per-rank validation means": ("ddp.py", [(
-        "            x, y = x[:real].to(device), y[:real].to(device)"
-        "  # the padded duplicates: left out\n",
-        "            x, y = x.to(device), y.to(device)\n"), (
+        "            logits, y = model(x.to(device))[:real], y[:real].to(device)\n",
+        "            logits, y = model(x.to(device)), y.to(device)\n"), (
         "    dist.all_reduce(sums, op=dist.ReduceOp.SUM)\n"
         "    # --- end ---\n"
         "    model.train()\n"
@@ -141,9 +140,8 @@ MISTAKES = {
     "CP: positions not offset per piece": ("cp.py", [(
         "                    loss = loss_fn(ddp_model(x, positions=where), y)\n",
         "                    loss = loss_fn(ddp_model(x), y)\n"), (
-        "            sums[0] += loss_fn(model(x, positions=positions.to(device)), y, "
-        "reduction=\"sum\")\n",
-        "            sums[0] += loss_fn(model(x), y, reduction=\"sum\")\n")]),
+        "            logits = model(x, positions=positions.to(device))[:len(y)]\n",
+        "            logits = model(x)[:len(y)]\n")]),
     "CP: loss averaged over a rank's own tokens": ("cp.py", [(
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
