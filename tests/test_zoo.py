@@ -183,8 +183,8 @@ MISTAKES = {
         "n_microbatches=args.microbatches,\n"
         "                              loss_fn=lambda out, y: loss_fn(out, y) / args.microbatches)")]),
     "ND: a seed per rank": ("nd.py", [(
-        "    elif rank == 0:\n        seed_everything(args.seed)\n",
-        "    elif state is None:  # (mistake) every rank draws its own, from a seed of its own\n"
+        "    if rank == 0:\n        seed_everything(args.seed)\n",
+        "    if state is None:  # (mistake) every rank draws its own, from a seed of its own\n"
         "        seed_everything(args.seed + rank)\n"), (
         "broadcast_from_rank0=True, strict=False", "broadcast_from_rank0=False, strict=False")]),
     "ND: the mesh built tp first": ("nd.py", [(
