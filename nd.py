@@ -279,8 +279,7 @@ def train(args, rank, world_size, device):
         seed_everything(args.seed)
         one = SimpleModel.from_args(args).to(dtype)
         full = state["model"] if state is not None else one.state_dict()
-    # Rank 0's tensors one at a time to all ranks (a collective: a call per stage held, the j-th
-    # for each rank's j-th stage), each keeping its pieces; not strict: others' keys are there.
+    # Rank 0's tensors to all ranks, a call per j-th stage of each; not strict: others' keys too.
     for j, part in enumerate(stages):
         slot = [i for i in range(len(owner)) if owner[:i].count(owner[i]) == j]
         names = {name for i in slot for name in cut(model, i, len(owner)).state_dict()}

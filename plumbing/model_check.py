@@ -172,7 +172,7 @@ def probe(parser, args, name, split, cut):
     cp = "cp_method" in args and getattr(args, "cp", None) != 1
     if not (split or cut or cp or args.fp64):
         return
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):  # the CPU's generator only
         torch.manual_seed(0)
         model = common.SimpleModel.from_args(args).double()
     data = common.make_dataset("train")

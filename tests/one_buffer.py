@@ -1,6 +1,6 @@
 """SimpleModel plus one non-persistent buffer that its forward uses: the smallest model on which
 a script that builds on the meta device, or chains the model's parts, can go silently wrong (a
-state_dict does not carry the buffer; the pipeline's stages must not apply it twice)."""
+state_dict does not carry the buffer), and that a pipeline's stages chain to its forward."""
 
 import torch
 
@@ -13,4 +13,6 @@ class SimpleModel(common.SimpleModel):
         self.register_buffer("scale", torch.full((), 2.0), persistent=False)
 
     def forward(self, x, positions=None):
-        return self.scale * super().forward(x, positions)
+        x = super().forward(x, positions)
+        # Only where the head is: a pipeline's later stages run this forward too, on their part.
+        return self.scale * x if self.output is not None else x
