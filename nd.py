@@ -274,7 +274,7 @@ def train(args, rank, world_size, device):
             cut_sequences(part, mesh, args.cp_method)
     positions = token_positions(mesh.get_local_rank("cp"), args.cp)  # this rank's tokens
     where = positions.to(device)  # on the device too: the position embedding's input
-    full = one = None  # on rank 0's CPU only: one device's model (--seed), its weights or the file's
+    full = one = None  # rank 0's CPU only: one device's model (--seed), its weights or the file's
     if rank == 0:
         seed_everything(args.seed)
         one = SimpleModel.from_args(args).to(dtype)

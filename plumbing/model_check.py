@@ -51,6 +51,11 @@ def check_model(parser, args, ranks=None, cut=None):
             parser.error(f"{name}.{path} is a {type(module).__name__}(p={module.p}): each rank "
                          "and micro-batch draws its own masks, so the run cannot equal one "
                          "device's; set p=0 to prove it (docs/course.md#putting-your-own-model-in)")
+    layout = [getattr(getattr(b, "moe", None), "experts", None) for b in model.blocks.values()]
+    if "ep" in args and args.experts and not all(isinstance(e, nn.ModuleDict) for e in layout):
+        parser.error(f"ep.py spreads each block's moe.experts (an nn.ModuleDict of experts) and "
+                     f"replaces moe.run_experts; {name}'s blocks hold no such mixture (Hugging "
+                     "Face's fused experts are one module of 3-D weights): use ddp.py or fsdp.py")
     if args.experts and not hasattr(model, "routed"):  # balance() reads the mixture's routing
         parser.error(f"--experts {args.experts}: {name} has no mixture of experts (no routed()); "
                      "drop --experts")
@@ -136,7 +141,7 @@ class Float32Ops(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.requires_grad \
-                and self.running:  # of the weights: constants alike on every rank (RoPE's) part nothing
+                and self.running:  # from the weights: constants (RoPE's cos) part nothing
             self.found.append(self.running[-1])
         return out
 
@@ -162,86 +167,97 @@ def gap(a, b):
 @torch.no_grad()
 def probe(parser, args, name, split, cut):
     """Refuse in one line what the model's forward shows, run on a few training samples on the
-    CPU in float64 (the model the flags describe, built once more here): with `split` (ranks or
-    micro-batches each see a part of the batch), a module whose output for some samples moves
-    with the others (BatchNorm by any name: F.batch_norm, a batch mean); with `cut`
+    CPU in the run's dtype (the model the flags describe, built once more here): with
+    `split` (ranks or micro-batches each see a part of the batch), a module whose output for
+    some samples moves with the others (BatchNorm by any name: F.batch_norm, a batch mean); with `cut`
     (pipeline.py's, nd.py's), stages that do not chain to the model's forward; under cp.py, an
     attention that never calls the `attend` cp.py replaces. Under --fp64, a module that computes
     in float32 anyway (Hugging Face's RMSNorm, its routers) is named in one line: correct runs
-    then part by ~1e-8, not ~1e-13."""
+    then part by ~1e-8, not ~1e-13. A forward that fails here is refused in one line too."""
     cp = "cp_method" in args and getattr(args, "cp", None) != 1
     if not (split or cut or cp or args.fp64):
         return
+    # In the run's dtype; past rounding's reach: float64's, and fp32's over one forward
+    dtype, tol = (torch.float64, 1e-9) if args.fp64 else (torch.float32, 1e-4)
     with torch.random.fork_rng(devices=[]):  # the CPU's generator only
         torch.manual_seed(0)
-        model = common.SimpleModel.from_args(args).double()
+        model = common.SimpleModel.from_args(args).to(dtype)
     data = common.make_dataset("train")
     x = torch.stack([data[i][0] for i in range(4)])
-    paths = {m: path for path, m in model.named_modules()}
-    if args.fp64 and os.environ.get("RANK", "0") == "0":
-        running, hooks = [], []
-        for m in model.modules():
-            hooks += [m.register_forward_pre_hook(lambda m, _: running.append(m)),  # (None: as is)
-                      m.register_forward_hook(lambda m, _, __: running.pop() and None)]
-        with torch.enable_grad(), Float32Ops(running) as mode:
-            model(x)
-        for hook in hooks:
-            hook.remove()
-        if mode.found:
-            m = mode.found[0]
-            print(f"note: --fp64: {name}.{paths[m]} ({type(m).__name__}) computes in float32: "
-                  "correct runs part by ~1e-8, not ~1e-13; docs/course.md#fp32-islands",
-                  flush=True)
-    if split:  # the first half of a batch, forwarded with and without the second
-        whole, again, half = outputs(model, x)[0], outputs(model, x)[0], outputs(model, x[:2])[0]
-        for m, calls in whole.items():
-            for out, same, part in zip(calls, again[m], half.get(m, [])):
-                if not all(isinstance(t, torch.Tensor) for t in (out, same, part)):
-                    continue
-                if gap(out, same) > 1e-9:
-                    parser.error(f"{name}.{paths[m]} ({type(m).__name__}) draws random numbers "
-                                 "in training (dropout?): each rank and micro-batch draws its "
-                                 "own; make it deterministic (p=0) to prove the run")
-                rows = (len(x), len(x) * x.shape[1]) if x.dim() > 1 else (len(x),)
-                if out.dim() and out.shape[0] in rows and 2 * part.shape[0] == out.shape[0] \
-                        and len(calls) == len(half[m]) and gap(out[:len(part)], part) > 1e-9:
-                    parser.error(f"{name}.{paths[m]} ({type(m).__name__}) couples the samples "
-                                 "of a batch (a sample's output moves with the others, as "
-                                 "BatchNorm's does), and here ranks or micro-batches each see "
-                                 "a part of it; normalize per sample (LayerNorm, GroupNorm)")
-    if cut is not None:
-        stages = getattr(args, "stages", None) or 2
-        kwargs = {"positions": torch.arange(x.shape[1])} if "cp" in args else {}
-        try:
-            parts = [cut(model, i, stages) for i in range(stages)]
-            held = [n for part in parts for n, _ in part.named_parameters()]
-            twice = [n for n in held if held.count(n) > 1]  # not deleted: a property's blocks
-            why = f"{twice[0]} stays in two stages" if twice else None
-            y = x
-            for part in parts[:None if why else stages]:
-                y = part(y, **kwargs) if not why else y
-            why = why or (f"the chain is {gap(y, model(x)):.1e} from the model's forward"
-                          if gap(y, model(x)) > 1e-9 else None)
-        except Exception as e:  # noqa: BLE001 -- any failure of the chain is the reason
-            why = f"chaining them fails ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
-        if why:
-            script = os.path.basename(cut.__code__.co_filename)
-            parser.error(f"{script}'s cut() makes stages of {name} by deleting "
-                         f"SimpleModel's parts (embed, pos, blocks, norm, output), and {why}; "
-                         "write cut() for your model (docs/course.md#putting-your-own-model-in)")
-    if cp:
-        attns = [getattr(block, "attn", None) for block in model.blocks.values()]
-        if not all(hasattr(a, "attend") for a in attns):
-            parser.error(f"cp.py replaces each block's attn.attend(q, k, v), and {name}'s blocks "
-                         "have none; use ddp.py, or give the attention an attend method")
-        try:
-            plain = model(x, positions=torch.arange(x.shape[1]))
-            for a in attns:
-                a.attend = lambda q, k, v, f=a.attend: 2 * f(q, k, v)
-            moved = gap(model(x, positions=torch.arange(x.shape[1])), plain) > 0
-        except TypeError as e:
-            parser.error(f"cp.py calls model(x, positions=...), and {name}'s forward "
-                         f"refuses it ({str(e)[:60]}); take the tokens' positions")
-        if not moved:
-            parser.error(f"cp.py replaces each block's attn.attend, which {name}'s forward never "
-                         "calls: each rank would attend within its own pieces only; call it")
+    try:
+        paths = {m: path for path, m in model.named_modules()}
+        if args.fp64 and os.environ.get("RANK", "0") == "0":
+            running, hooks = [], []
+            for m in model.modules():
+                hooks += [m.register_forward_pre_hook(lambda m, _: running.append(m)),
+                          # a hook's value other than None replaces the output: None
+                          m.register_forward_hook(lambda m, _, __: running.pop() and None)]
+            with torch.enable_grad(), Float32Ops(running) as mode:
+                model(x)
+            for hook in hooks:
+                hook.remove()
+            if mode.found:
+                m = mode.found[0]
+                print(f"note: --fp64: {name}.{paths[m]} ({type(m).__name__}) computes in float32: "
+                      "correct runs part by ~1e-8, not ~1e-13; docs/course.md#fp32-islands",
+                      flush=True)
+        if split:  # the first half of a batch, forwarded with and without the second
+            whole, again = outputs(model, x)[0], outputs(model, x)[0]
+            half = outputs(model, x[:2])[0]
+            for m, calls in whole.items():
+                for out, same, part in zip(calls, again[m], half.get(m, [])):
+                    if not all(isinstance(t, torch.Tensor) for t in (out, same, part)):
+                        continue
+                    if gap(out, same) > tol:
+                        parser.error(f"{name}.{paths[m]} ({type(m).__name__}) draws random numbers "
+                                     "in training (dropout?): each rank and micro-batch draws its "
+                                     "own; make it deterministic (p=0) to prove the run")
+                    rows = (len(x), len(x) * x.shape[1]) if x.dim() > 1 else (len(x),)
+                    if out.dim() and out.shape[0] in rows and 2 * part.shape[0] == out.shape[0] \
+                            and len(calls) == len(half[m]) and gap(out[:len(part)], part) > tol:
+                        parser.error(f"{name}.{paths[m]} ({type(m).__name__}) couples the samples "
+                                     "of a batch (a sample's output moves with the others, as "
+                                     "BatchNorm's does), and here ranks or micro-batches each see "
+                                     "a part of it; normalize per sample (LayerNorm, GroupNorm)")
+        if cut is not None:
+            stages = getattr(args, "stages", None) or 2
+            kwargs = {"positions": torch.arange(x.shape[1])} if "cp" in args else {}
+            try:
+                parts = [cut(model, i, stages) for i in range(stages)]
+                held = [n for part in parts for n, _ in part.named_parameters()]
+                twice = [n for n in held if held.count(n) > 1]  # not deleted: a property's blocks
+                why = f"{twice[0]} stays in two stages" if twice else None
+                y = x
+                for part in parts if not twice else ():
+                    y = part(y, **kwargs)
+                if not twice and gap(y, model(x)) > tol:
+                    why = f"the chain is {gap(y, model(x)):.1e} from the model's forward"
+            except Exception as e:  # noqa: BLE001 -- any failure of the chain is the reason
+                why = f"chaining them fails ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+            if why:
+                script = os.path.basename(cut.__code__.co_filename)
+                parser.error(f"{script}'s cut() makes stages of {name} by deleting "
+                             f"SimpleModel's parts (embed, pos, blocks, norm, output), and {why}; "
+                             "write cut() for your model "
+                             "(docs/course.md#putting-your-own-model-in)")
+        if cp:
+            attns = [getattr(block, "attn", None) for block in model.blocks.values()]
+            if not all(hasattr(a, "attend") for a in attns):
+                parser.error(f"cp.py replaces each block's attn.attend(q, k, v), and {name}'s "
+                             "blocks have none; use ddp.py, or give the attention an attend method")
+            try:
+                plain = model(x, positions=torch.arange(x.shape[1]))
+                for a in attns:
+                    a.attend = lambda q, k, v, f=a.attend: 2 * f(q, k, v)
+                moved = gap(model(x, positions=torch.arange(x.shape[1])), plain) > 0
+            except TypeError as e:
+                parser.error(f"cp.py calls model(x, positions=...), and {name}'s forward "
+                             f"refuses it ({str(e)[:60]}); take the tokens' positions")
+            if not moved:
+                parser.error(f"cp.py replaces each block's attn.attend, which {name}'s "
+                             "forward never calls: each rank would attend within its own "
+                             "pieces only; call it")
+    except Exception as e:  # noqa: BLE001 -- any failure of the probe's forward is the reason
+        parser.error(f"{name}'s forward fails on {len(x)} training samples in {dtype} on the CPU, "
+                     f"where the checks run it ({type(e).__name__}: "
+                     f"{(str(e).splitlines() or [''])[0][:90]}); make it run there")

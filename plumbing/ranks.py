@@ -222,9 +222,12 @@ def fail(message, leave_group=True, every_rank=False):
         with open(error_file, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {
                 "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
-    # Said once, by rank 0 (the others exit 1 in silence), unless every_rank: a stop that
-    # depends on the rank (its GPU, its peers), where rank 0 may not be among those stopping.
-    raise SystemExit(message if every_rank or os.environ.get("RANK", "0") == "0" else 1)
+    # Said once: by rank 0 at once; the others wait a moment first, and the launcher, seeing
+    # rank 0 fail, ends them before they say it again. (every_rank: a stop that depends on the
+    # rank, its GPU or its peers, which each rank says at once.)
+    if not every_rank and os.environ.get("RANK", "0") != "0":
+        time.sleep(5)
+    raise SystemExit(message)
 
 
 def quiet_known_warnings():

@@ -27,7 +27,8 @@ needs_hf = pytest.mark.skipif(not HF, reason="needs transformers (pip install -r
                               "tests/requirements.txt): Hugging Face's models")
 FLAGS = [*fp64(1, steps=10), "--hidden=24", "--blocks=2", "--heads=4", "--log-every=1",
          "--device=cpu"]
-SWAPS = {"buffer": "from one_buffer import SimpleModel", "llama": "from hf_llama import SimpleModel"}
+SWAPS = {"buffer": "from one_buffer import SimpleModel",
+         "llama": "from hf_llama import SimpleModel"}
 RUNS = {"buffer": {"single": ["single.py"], "fsdp": ["fsdp.py", "--nproc=2"],
                    "tp": ["tp.py", "--nproc=2"], "nd": ["nd.py", "--nproc=4"],
                    "fsdp-twin": ["from_scratch/fsdp.py", "--nproc=2"]},
@@ -172,6 +173,8 @@ def test_a_refusal_is_one_line_without_usage_and_said_by_rank_0_only(as_torchrun
     ("hf_gpt2", "cp", SMALL, "SimpleModel's blocks have none"),
     ("hf_gpt2", "tp", SMALL, "SimpleModel.tp_plan cuts nothing"),
     ("hf_mixtral", "pipeline", SMALL, "stays in two stages"),
+    ("hf_mixtral", "ep", SMALL, "ep.py spreads each block's moe.experts"),
+    ("cnn", "ep", SMALL, "SimpleModel's blocks hold no such mixture"),
     ("cnn", "pipeline", SMALL, "head.weight stays in two stages"),
     ("cnn", "cp", SMALL, "SimpleModel's blocks have none"),
 ])
