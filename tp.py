@@ -274,8 +274,8 @@ def train(args, rank, world_size, device):
     if rank == 0:
         seed_everything(args.seed)
         one = SimpleModel.from_args(args).to(dtype)
-    set_model_state_dict(model, one.state_dict() if one else {}, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, {} if one is None else one.state_dict(),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # A state_dict leaves out the non-persistent buffers (RoPE's inv_freq): to_empty() left
     # them uninitialized memory, silently. Rank 0's to every rank (plumbing/buffers.py).
     fill_buffers(model, one, device)
