@@ -7,10 +7,14 @@ from fnmatch import fnmatch
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 import common
+from plumbing.probes import matching, probe
 from plumbing.ranks import fail
+
+
+# The probes build the whole model once more on the CPU of every rank: up to this size.
+PROBE_BYTES = 2**30
 
 
 def check_model(parser, args, ranks=None, cut=None):
@@ -19,9 +23,8 @@ def check_model(parser, args, ranks=None, cut=None):
     BatchNorm where ranks (`ranks`: by default this run's, or DataParallel's replicas,
     parser.ranks) or micro-batches each see a part of the batch, Dropout there too; --experts
     for a model without a mixture; a tied weight in a pipeline
-    (--microbatches), whose stages would each train a copy; and with --tp (tp.py, nd.py) a
-    tp_plan that names a module the model lacks, an unknown kind, cuts nothing, or cuts a tied
-    head over the vocabulary (--loss-parallel)."""
+    (--microbatches), whose stages would each train a copy; with --tp (tp.py, nd.py) its
+    tp_plan (check_plan); then what only a forward shows (probe)."""
     try:
         with torch.device("meta"):  # shapes only, however large (as fsdp.py and tp.py build it)
             model = common.SimpleModel.from_args(args)
@@ -67,17 +70,26 @@ def check_model(parser, args, ranks=None, cut=None):
         parser.error(f"{' and '.join(tied[0])} are one tensor (tied): a pipeline holds them "
                      "on two stages, which would train two copies apart; untie them (a "
                      "weight of its own for each), or use ddp.py, fsdp.py or tp.py")
+    if "tp" in args:
+        check_plan(parser, args, model, name, tied)
     # What only a forward shows; a SyncBatchNorm passed above couples the batch, as it should
     synced = any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
-    probe(parser, args, name, ranks * micro > 1 and not synced, cut)
-    if "tp" not in args:
-        return
+    size = sum(p.numel() for p in model.parameters()) * (8 if args.fp64 else 4)
+    if size <= PROBE_BYTES:
+        probe(parser, args, name, ranks * micro > 1 and not synced, cut)
+    elif os.environ.get("RANK", "0") == "0":
+        print(f"note: {name} is {size / 2**30:.1f} GiB, too large for the probe forward on the "
+              "CPU (the checks of batch coupling, stages, attend, positions): run these flags "
+              "once with a smaller --hidden and --blocks, which checks the same code", flush=True)
+
+
+def check_plan(parser, args, model, name, tied):
+    """tp.py, nd.py: refuse a tp_plan that names a module the model lacks, an unknown kind,
+    cuts nothing, cuts a tied head over the vocabulary (--loss-parallel), or whose --tp does not
+    divide a Hugging Face config's key/value heads."""
     plan = getattr(model, "tp_plan", None) or {}
     kinds = ("colwise", "rowwise", "shared_input", "norm", "head")  # tp.py's styles of them
-    names = [path.split(".") for path, _ in model.named_modules()]
-    def resolved(key):  # as parallelize_module matches it: name by name, "*" for any
-        return [".".join(n) for n in names if len(n) == len(key.split("."))
-                and all(map(fnmatch, n, key.split(".")))]
+    resolved = lambda key: matching(model, key)  # noqa: E731
     for key, kind in plan.items():
         if kind not in kinds:
             parser.error(f"{name}.tp_plan[{key!r}] = {kind!r}: a kind tp.py does not know; "
@@ -128,136 +140,3 @@ def check_cut(model, tensors):
     if why:
         fail(f"tp.py: error: {type(model).__name__}'s tp_plan {why}: docs/course.md#putting-"
              "your-own-model-in says what to write")
-
-
-class Float32Ops(TorchFunctionMode):
-    """Under --fp64's probe forward: the modules running when an op made a float32 tensor that
-    depends on the weights."""
-
-    def __init__(self, running):
-        super().__init__()
-        self.running, self.found = running, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.requires_grad \
-                and self.running:  # from the weights: constants (RoPE's cos) part nothing
-            self.found.append(self.running[-1])
-        return out
-
-
-def outputs(model, *inputs, **kwargs):
-    """Every module's outputs of one forward, {module: [output of each call]}, in the order the
-    calls ended; and the forward's own output."""
-    seen = {}
-    hooks = [m.register_forward_hook(lambda m, _, out: seen.setdefault(m, []).append(out))
-             for m in model.modules()]
-    try:
-        out = model(*inputs, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen, out
-
-
-def gap(a, b):
-    return (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
-
-
-@torch.no_grad()
-def probe(parser, args, name, split, cut):
-    """Refuse in one line what the model's forward shows, run on a few training samples on the
-    CPU in the run's dtype (the model the flags describe, built once more here): with
-    `split` (ranks or micro-batches each see a part of the batch), a module whose output for
-    some samples moves with the others (BatchNorm by any name: F.batch_norm, a batch mean); with `cut`
-    (pipeline.py's, nd.py's), stages that do not chain to the model's forward; under cp.py, an
-    attention that never calls the `attend` cp.py replaces. Under --fp64, a module that computes
-    in float32 anyway (Hugging Face's RMSNorm, its routers) is named in one line: correct runs
-    then part by ~1e-8, not ~1e-13. A forward that fails here is refused in one line too."""
-    cp = "cp_method" in args and getattr(args, "cp", None) != 1
-    if not (split or cut or cp or args.fp64):
-        return
-    # In the run's dtype; past rounding's reach: float64's, and fp32's over one forward
-    dtype, tol = (torch.float64, 1e-9) if args.fp64 else (torch.float32, 1e-4)
-    with torch.random.fork_rng(devices=[]):  # the CPU's generator only
-        torch.manual_seed(0)
-        model = common.SimpleModel.from_args(args).to(dtype)
-    data = common.make_dataset("train")
-    x = torch.stack([data[i][0] for i in range(4)])
-    try:
-        paths = {m: path for path, m in model.named_modules()}
-        if args.fp64 and os.environ.get("RANK", "0") == "0":
-            running, hooks = [], []
-            for m in model.modules():
-                hooks += [m.register_forward_pre_hook(lambda m, _: running.append(m)),
-                          # a hook's value other than None replaces the output: None
-                          m.register_forward_hook(lambda m, _, __: running.pop() and None)]
-            with torch.enable_grad(), Float32Ops(running) as mode:
-                model(x)
-            for hook in hooks:
-                hook.remove()
-            if mode.found:
-                m = mode.found[0]
-                print(f"note: --fp64: {name}.{paths[m]} ({type(m).__name__}) computes in float32: "
-                      "correct runs part by ~1e-8, not ~1e-13; docs/course.md#fp32-islands",
-                      flush=True)
-        if split:  # the first half of a batch, forwarded with and without the second
-            whole, again = outputs(model, x)[0], outputs(model, x)[0]
-            half = outputs(model, x[:2])[0]
-            for m, calls in whole.items():
-                for out, same, part in zip(calls, again[m], half.get(m, [])):
-                    if not all(isinstance(t, torch.Tensor) for t in (out, same, part)):
-                        continue
-                    if gap(out, same) > tol:
-                        parser.error(f"{name}.{paths[m]} ({type(m).__name__}) draws random numbers "
-                                     "in training (dropout?): each rank and micro-batch draws its "
-                                     "own; make it deterministic (p=0) to prove the run")
-                    rows = (len(x), len(x) * x.shape[1]) if x.dim() > 1 else (len(x),)
-                    if out.dim() and out.shape[0] in rows and 2 * part.shape[0] == out.shape[0] \
-                            and len(calls) == len(half[m]) and gap(out[:len(part)], part) > tol:
-                        parser.error(f"{name}.{paths[m]} ({type(m).__name__}) couples the samples "
-                                     "of a batch (a sample's output moves with the others, as "
-                                     "BatchNorm's does), and here ranks or micro-batches each see "
-                                     "a part of it; normalize per sample (LayerNorm, GroupNorm)")
-        if cut is not None:
-            stages = getattr(args, "stages", None) or 2
-            kwargs = {"positions": torch.arange(x.shape[1])} if "cp" in args else {}
-            try:
-                parts = [cut(model, i, stages) for i in range(stages)]
-                held = [n for part in parts for n, _ in part.named_parameters()]
-                twice = [n for n in held if held.count(n) > 1]  # not deleted: a property's blocks
-                why = f"{twice[0]} stays in two stages" if twice else None
-                y = x
-                for part in parts if not twice else ():
-                    y = part(y, **kwargs)
-                if not twice and gap(y, model(x)) > tol:
-                    why = f"the chain is {gap(y, model(x)):.1e} from the model's forward"
-            except Exception as e:  # noqa: BLE001 -- any failure of the chain is the reason
-                why = f"chaining them fails ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
-            if why:
-                script = os.path.basename(cut.__code__.co_filename)
-                parser.error(f"{script}'s cut() makes stages of {name} by deleting "
-                             f"SimpleModel's parts (embed, pos, blocks, norm, output), and {why}; "
-                             "write cut() for your model "
-                             "(docs/course.md#putting-your-own-model-in)")
-        if cp:
-            attns = [getattr(block, "attn", None) for block in model.blocks.values()]
-            if not all(hasattr(a, "attend") for a in attns):
-                parser.error(f"cp.py replaces each block's attn.attend(q, k, v), and {name}'s "
-                             "blocks have none; use ddp.py, or give the attention an attend method")
-            try:
-                plain = model(x, positions=torch.arange(x.shape[1]))
-                for a in attns:
-                    a.attend = lambda q, k, v, f=a.attend: 2 * f(q, k, v)
-                moved = gap(model(x, positions=torch.arange(x.shape[1])), plain) > 0
-            except TypeError as e:
-                parser.error(f"cp.py calls model(x, positions=...), and {name}'s forward "
-                             f"refuses it ({str(e)[:60]}); take the tokens' positions")
-            if not moved:
-                parser.error(f"cp.py replaces each block's attn.attend, which {name}'s "
-                             "forward never calls: each rank would attend within its own "
-                             "pieces only; call it")
-    except Exception as e:  # noqa: BLE001 -- any failure of the probe's forward is the reason
-        parser.error(f"{name}'s forward fails on {len(x)} training samples in {dtype} on the CPU, "
-                     f"where the checks run it ({type(e).__name__}: "
-                     f"{(str(e).splitlines() or [''])[0][:90]}); make it run there")

@@ -157,7 +157,17 @@ def needs_2_gpus(test):
         GPUS < 2, reason=f"needs 2 GPUs (NCCL: one per rank), found {GPUS}")(test))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--matrix", action="store_true", help="also run every script on every model "
+                     "of docs/models.py (tests/test_matrix.py; ~90 launches)")
+
+
+MATRIX = False  # --matrix, read when pytest starts
+
+
 def pytest_configure(config):
+    global MATRIX
+    MATRIX = config.getoption("--matrix")
     config.addinivalue_line("markers", "gpu: runs on a CUDA GPU (python -m pytest -q -rs tests "
                                        "-m gpu; docs/gpu.md)")
     # One thread for the runs in this process, as for every launched one (OMP_NUM_THREADS=1,
@@ -323,7 +333,13 @@ def kill(proc):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def finish(proc, timeout=90):
+# How long a launch may run before it counts as hung: far above any run's time, because a
+# 2-core machine's speed varies: the same suite took 8 minutes on one and 26 on another, where
+# a 40-step restart under torchrun went past 90 s. A real hang costs the timeout, once.
+LAUNCH_TIMEOUT = 300
+
+
+def finish(proc, timeout=LAUNCH_TIMEOUT):
     """Wait for a started command. A hung collective fails the test after `timeout` seconds
     (the whole process group, workers included, is killed) instead of hanging CI; a forked
     one (tests/preloaded.py) first prints each process's Python stack: where each rank was."""
@@ -342,11 +358,11 @@ def finish(proc, timeout=90):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def launch(*cmd, timeout=90, env=None):
+def launch(*cmd, timeout=LAUNCH_TIMEOUT, env=None):
     return finish(start(*cmd, env=env), timeout)
 
 
-def launch_together(commands, timeout=150, env=None):
+def launch_together(commands, timeout=LAUNCH_TIMEOUT + 100, env=None):
     """Run several commands at the same time; return their results in order. Independent
     runs overlap one's imports and rendezvous with another's compute: the suite stays fast."""
     procs = [start(*cmd, env=env) for cmd in commands]
@@ -702,7 +718,7 @@ def worker_pids(launcher_pid, script):
                        and (script.encode() in cmdline or b"spawn_main" in cmdline)))
 
 
-def launch_and_kill_a_worker(*cmd, script, when, timeout=90):
+def launch_and_kill_a_worker(*cmd, script, when, timeout=LAUNCH_TIMEOUT):
     """Start `cmd`; once a line of its output contains `when`, SIGKILL its last worker.
     Return (CompletedProcess with stdout and stderr together, seconds from kill to exit)."""
     proc = start(*cmd, merge_stderr=True, preloaded=False)  # a Popen: its stdout, its children

@@ -10,7 +10,7 @@ from common import SEQ_LEN, VOCAB
 
 
 class SimpleModel(nn.Module):
-    tied = False  # Llama 3.2 1B and 3B tie the head to the embedding: a subclass says True
+    tied = False  # Llama 3.2 1B and 3B tie the head to the embedding: Tied, below
     # Hugging Face's base_model_tp_plan, prefixed with where the layers sit in this model; the
     # norms named so that --sequence-parallel cuts the sequence there, the head for --loss-parallel.
     tp_plan = {"llama.model.layers.*.input_layernorm": "norm",
@@ -48,3 +48,7 @@ class SimpleModel(nn.Module):
 
     def forward(self, x):
         return self.llama(x).logits
+
+
+class Tied(SimpleModel):  # the head is the token embedding (Llama 3.2 1B and 3B)
+    tied = True

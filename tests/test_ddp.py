@@ -471,7 +471,7 @@ def test_ddp_by_hand_buckets_launched_in_another_order_on_one_rank_stop_the_job_
     name = "by hand: rank 1 fills its buckets from the other end"
     path = mutated(*MISTAKES[name], tmp_path, name)
     result = launch(*ranks_cmd(2, path, *JOB_FLAGS, *fp64(SEED_A, steps=4),
-                               f"--bucket-cap-mb={CAP_MB}", "--timeout=2"), timeout=60,
+                               f"--bucket-cap-mb={CAP_MB}", "--timeout=2"),
                     env={"PYTHONPATH": str(REPO)})
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert "Is there a distributed collective mismatch in your code?" in result.stderr

@@ -55,6 +55,11 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
                               "--batch-size=27", "--hidden=24", "--blocks=2", "--heads=3"))
     commands.append(python_cmd(REPO / "single.py", "--device=cpu", "--steps=1",
                                "--batch-size=27", "--hidden=24", "--blocks=2", "--heads=3"))
+    # and on 7 ranks of 2 samples: 143 each, rank 6's last one padding, alone in its last batch
+    commands.append(ranks_cmd(7, REPO / "zero.py", "--device=cpu", "--steps=1",
+                              "--batch-size=14", "--hidden=24", "--blocks=2", "--heads=3"))
+    commands.append(python_cmd(REPO / "single.py", "--device=cpu", "--steps=1",
+                               "--batch-size=14", "--hidden=24", "--blocks=2", "--heads=3"))
     return commands, None
 
 
@@ -62,7 +67,8 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
 def runs():
     folder, results = early_results(__name__)
     names = [(m, s) for m in MODELS for s in RUNS[m]] + [("empty", n) for n in
-                                                          ("twin", "ddp", "single")]
+                                                          ("twin", "ddp", "single", "zero 7",
+                                                           "single 14")]
     return folder, dict(zip(names, results))
 
 
@@ -88,6 +94,8 @@ def test_an_empty_last_evaluation_batch_is_forwarded_whole_and_counted_exactly(r
     one = summary_val_loss(ok(results["empty", "single"]))
     for name in ("twin", "ddp"):
         assert summary_val_loss(ok(results["empty", name])) == pytest.approx(one, abs=1e-6)
+    assert summary_val_loss(ok(results["empty", "zero 7"])) == pytest.approx(
+        summary_val_loss(ok(results["empty", "single 14"])), abs=1e-6)
 
 
 class BatchMean(nn.Module):  # a norm by any other name: statistics over the whole batch
@@ -121,6 +129,22 @@ class Scaled(common.SimpleModel):  # a forward that does more than its parts, on
         return 2 * super().forward(x, positions)
 
 
+class TimeMix(nn.Module):  # a causal convolution over the positions (Mamba's, Hyena's)
+    def __init__(self, hidden):
+        super().__init__()
+        self.conv = nn.Conv1d(hidden, hidden, 3, groups=hidden)
+
+    def forward(self, x):
+        return self.conv(F.pad(x.transpose(1, 2), (2, 0))).transpose(1, 2)
+
+
+class Convolved(common.SimpleModel):  # a block that mixes positions outside its attention
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for block in self.blocks.values():
+            block.attn_norm = nn.Sequential(block.attn_norm, TimeMix(self.embed.embedding_dim))
+
+
 SMALL = ["--hidden=24", "--blocks=2", "--heads=4"]
 
 
@@ -134,6 +158,8 @@ SMALL = ["--hidden=24", "--blocks=2", "--heads=4"]
     ("cp", NoAttend, 2, SMALL, "cp.py replaces each block's attn.attend, which NoAttend's "
      "forward never calls"),
     ("cp", Coupled, 2, SMALL, "Coupled.norm (BatchMean) couples"),
+    ("tp", Convolved, 2, [*SMALL, "--sequence-parallel"], "--sequence-parallel: "
+     "Convolved.blocks.0.attn_norm.1 (TimeMix) runs between the TP regions"),
 ])
 def test_what_a_probe_forward_shows_is_refused_in_one_line(script, model, world, flags, message,
                                                            as_torchrun, monkeypatch, capsys):
@@ -148,6 +174,9 @@ def test_pure_tp_where_every_rank_sees_the_whole_batch_accepts_a_batch_coupling_
     as_torchrun(2)
     importlib.import_module("tp")
     monkeypatch.setattr(common, "SimpleModel", Coupled)
+    __import__("tp").parse_args(["--device=cpu", *SMALL])
+    # and a block that mixes positions outside its attention, with the whole sequence each
+    monkeypatch.setattr(common, "SimpleModel", Convolved)
     __import__("tp").parse_args(["--device=cpu", *SMALL])
 
 
@@ -204,3 +233,17 @@ def test_under_fp64_an_fp32_island_is_named(monkeypatch, capsys):
     __import__("single").parse_args(["--device=cpu", "--fp64", *SMALL])
     assert ("note: --fp64: Island.llama.model.norm (LlamaRMSNorm) computes in float32"
             in capsys.readouterr().out)
+
+
+def test_a_model_too_large_to_probe_on_the_cpu_says_so_in_one_line(as_torchrun, monkeypatch,
+                                                                    capsys):
+    """Every rank would build the whole model on its CPU: above PROBE_BYTES the probe is
+    skipped, and the note says how to run it (smaller flags, the same code)."""
+    import plumbing.model_check
+    as_torchrun(2)
+    importlib.import_module("ddp")
+    monkeypatch.setattr(common, "SimpleModel", Coupled)
+    monkeypatch.setattr(plumbing.model_check, "PROBE_BYTES", 1000)
+    __import__("ddp").parse_args(["--device=cpu", *SMALL])
+    assert "note: Coupled is 0.0 GiB, too large for the probe forward on the CPU" in \
+        capsys.readouterr().out
