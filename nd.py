@@ -83,7 +83,7 @@ from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_wo
 from plumbing.flags import check_tp, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import fail, launch, leave, rendezvous
+from plumbing.ranks import fail, launch
 from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
 from tp import parallelize  # TP's plan, then fully_shard over "dp_cp": tp.py's 2D, per stage
 from cp import cut_sequences, token_positions  # attention across the CP group (cp.py)
@@ -154,16 +154,16 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own
-    store, backend = rendezvous(args, device, __file__)
-    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if backend == "nccl" else None)
+    # init_process_group reads torchrun's environment: where the ranks meet (MASTER_ADDR,
+    # MASTER_PORT), who this one is (RANK, WORLD_SIZE). --backend: NCCL between GPUs of their
+    # own, else gloo ("auto", resolved before setup()). The timeout turns a dead or stuck peer
+    # into an error on every survivor, not a hang.
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
     dp = world_size // (args.pp * args.cp * args.tp)
     print0(f"nd: {world_size} ranks = {args.pp} (pp) x {dp} (dp) x {args.cp} (cp, "
            f"{args.cp_method}) x {args.tp} (tp) | schedule {args.schedule}, {args.stages} stages, "
-           f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
+           f"{args.microbatches} micro-batches | backend {args.backend} | device {device.type} | "
            f"torch {torch.__version__}")
     return rank, world_size, device
 
@@ -438,7 +438,7 @@ def run(args):
     if args.save and rank == 0:
         # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
         save_atomic(weights, args.save)  # CPU tensors: loads anywhere
-    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
+    dist.destroy_process_group()  # on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

@@ -72,7 +72,7 @@ from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_wo
 from plumbing.flags import shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import fail, launch, leave, rendezvous
+from plumbing.ranks import fail, launch
 
 # --schedule: (torch's class, its stages per rank by default, placed in a V: docs/pipeline.md)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1, False), "1f1b": (Schedule1F1B, 1, False),
@@ -160,17 +160,16 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own
-    store, backend = rendezvous(args, device, __file__, who="stages")
-    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if backend == "nccl" else None)
+    # init_process_group reads torchrun's environment: where the ranks meet (MASTER_ADDR,
+    # MASTER_PORT), who this one is (RANK, WORLD_SIZE). --backend: NCCL between GPUs of their
+    # own, else gloo ("auto", resolved before setup()). The timeout turns a dead or stuck peer
+    # into an error on every survivor, not a hang.
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
     if world_size > 1:
         print0(f"pipeline: {world_size} ranks x {args.stages_per_rank} stages | schedule "
-               f"{args.schedule} | "
-               f"{args.microbatches} micro-batches | backend {backend} | device {device.type} | "
-               f"torch {torch.__version__}")
+               f"{args.schedule} | {args.microbatches} micro-batches | backend {args.backend} | "
+               f"device {device.type} | torch {torch.__version__}")
         return rank, world_size, [device]
     # The only process: model parallelism, the stages on devices of their own where it can.
     gpus = torch.cuda.device_count() if use_cuda else 0
@@ -430,7 +429,7 @@ def run(args):
     if args.save and rank == 0:
         # Reassembled from every stage: SimpleModel's own keys, so it loads with strict=True.
         save_atomic(weights, args.save)  # CPU tensors: loads anywhere
-    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
+    dist.destroy_process_group()  # on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

@@ -73,7 +73,7 @@ from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_wo
 from plumbing.flags import check_tp, grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import fail, launch, leave, rendezvous
+from plumbing.ranks import fail, launch
 
 
 def parse_args(argv=None):
@@ -117,14 +117,14 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own
-    store, backend = rendezvous(args, device, __file__)
-    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if backend == "nccl" else None)
+    # init_process_group reads torchrun's environment: where the ranks meet (MASTER_ADDR,
+    # MASTER_PORT), who this one is (RANK, WORLD_SIZE). --backend: NCCL between GPUs of their
+    # own, else gloo ("auto", resolved before setup()). The timeout turns a dead or stuck peer
+    # into an error on every survivor, not a hang.
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
     print0(f"tp by hand: {world_size} ranks = {world_size // args.tp} (dp) x {args.tp} (tp) | "
-           f"backend {backend} | device {device.type} | torch {torch.__version__}")
+           f"backend {args.backend} | device {device.type} | torch {torch.__version__}")
     return rank, world_size, device
 
 
@@ -348,7 +348,7 @@ def run(args):
         # --- end ---
         if rank == 0:
             save_atomic(weights, args.save)
-    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
+    dist.destroy_process_group()  # on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

@@ -62,7 +62,7 @@ from plumbing.checkpoints import check_resumable, save_atomic, train_state, unlo
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import fail, launch, leave, rendezvous
+from plumbing.ranks import fail, launch
 
 
 def parse_args(argv=None):
@@ -93,13 +93,13 @@ def setup(args):
         torch.set_float32_matmul_precision("highest")
     else:
         device = torch.device("cpu")
-    # The launcher's store, and NCCL where each rank has a GPU of its own
-    store, backend = rendezvous(args, device, __file__, gloo_fallback=True)
-    # The timeout turns a dead or stuck peer into an error on every survivor, not a hang.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if backend == "nccl" else None)
-    print0(f"zero by hand: ZeRO-{args.zero} | {world_size} ranks | backend {backend} | "
+    # init_process_group reads torchrun's environment: where the ranks meet (MASTER_ADDR,
+    # MASTER_PORT), who this one is (RANK, WORLD_SIZE). --backend: NCCL between GPUs of their
+    # own, else gloo ("auto", resolved before setup()). The timeout turns a dead or stuck peer
+    # into an error on every survivor, not a hang.
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    print0(f"zero by hand: ZeRO-{args.zero} | {world_size} ranks | backend {args.backend} | "
            f"device {device.type} | torch {torch.__version__}")
     return rank, world_size, device
 
@@ -337,7 +337,7 @@ def run(args):
     if args.save and rank == 0:
         # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
         save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
-    leave()  # destroy_process_group() on a clean exit only: after an error, peers may hang
+    dist.destroy_process_group()  # on a clean exit only: after an error, peers may hang
 
 
 def main(argv=None):

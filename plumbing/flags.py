@@ -205,6 +205,9 @@ def launch_world(parser, args, width=None, own_gpus=True, data_parallel=True, st
                      "NCCL needs one GPU per rank: use fewer ranks or --backend gloo")
     if data_parallel:
         check_batch(parser, args, world_size, f"world size {world_size}")
+    # For plumbing.ranks.meet, before setup(): whether ranks may share a GPU over gloo, and
+    # what its refusal calls them
+    args.gpu_sharing, args.who = not own_gpus, "stages" if stages else "ranks"
     return world_size, local_world, gpus
 
 

@@ -3,9 +3,10 @@
 `python ddp.py` starts its own workers (launch, spawned) and gives each the environment
 torchrun would (and a share of the cores' threads, where torchrun gives 1); under torchrun (or
 srun, or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) each process is
-one rank already. rendezvous gives setup() the store the ranks meet in (a restart's own keys)
-and the backend (NCCL only where every rank drives a GPU of its own, told by the GPUs' UUIDs).
-fail ends a process with one line; leave ends a clean run's process group.
+one rank already. Before setup(), meet makes torchrun's environment ready for the group: a store
+of the attempt's own (a restart's own keys) and the backend (NCCL only where every rank drives a
+GPU of its own, told by the GPUs' UUIDs), so that every script's setup() calls
+init_process_group as PyTorch's docs do. fail ends a process with one line.
 """
 
 import datetime
@@ -65,19 +66,29 @@ def ranks(args, default, gpus, to_use_all):
     return args.nproc, args.nproc
 
 
-def rendezvous(args, device, script, who="ranks", gloo_fallback=False):
-    """The store the ranks meet in and the backend, for setup()'s init_process_group: every
-    distributed script's, and none of its technique. On a CPU: gloo. On GPUs: NCCL, which needs
-    a GPU of its own for every rank, told by the GPUs' UUIDs (gpu_sharers), not by counts;
-    ranks (or `who`: pipeline.py's stages) that share one stop in one line naming `script`,
-    before the group. gloo_fallback (ddp.py): they share it over gloo instead (or as
-    --backend says), slowly, said in one line."""
+def meet(args):
+    """What torchrun's environment needs before a script's setup() can call
+    init_process_group(backend, timeout=..., device_id=...) as PyTorch's docs do, reading it
+    (env://): none of it is a lesson, and every distributed script shares it.
+
+    - A store of this attempt's own for the group (serve_group): torchrun keeps its store across
+      restarts, and a restarted group would read the dead attempt's keys there.
+    - The GPUs: NCCL needs a GPU of its own for every rank, told by the GPUs' UUIDs
+      (gpu_sharers), not by counts; ranks (args.who: pipeline.py's stages) that share one stop
+      in one line before the group, or (args.gpu_sharing: ddp.py, zero.py) share it over gloo,
+      slowly, said in one line.
+    - args.backend, "auto" resolved: NCCL where every rank drives a GPU of its own, else gloo.
+    """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = rendezvous_store(rank, world_size, args.timeout)  # the launcher's, or rank 0's
-    sharers = gpu_sharers(store, device) if device.type == "cuda" else 1
-    name = os.path.basename(script)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if gloo_fallback:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    # setup()'s device: LOCAL_RANK's GPU, modulo the GPUs this rank sees
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()) \
+        if use_cuda else torch.device("cpu")
+    sharers = gpu_sharers(store, device) if use_cuda else 1
+    name = os.path.basename(sys.argv[0])
+    backend = "nccl" if use_cuda else "gloo"
+    if args.gpu_sharing:
         if args.backend != "auto" or sharers > 1:
             backend = "gloo" if args.backend == "auto" else args.backend
         if backend == "nccl" and sharers > 1:
@@ -87,17 +98,47 @@ def rendezvous(args, device, script, who="ranks", gloo_fallback=False):
             # (docs/traps.md#gloo-on-gpus).
             print(f"{name[:-3]}: {sharers} ranks share a GPU over gloo: slow", flush=True)
     elif sharers > 1:
-        fail(f"{name}: error: {sharers} {who} drive one GPU, and NCCL needs one GPU per "
-             f"{who[:-1]}: use fewer {who}", every_rank=True)
-    return store, backend
+        fail(f"{name}: error: {sharers} {args.who} drive one GPU, and NCCL needs one GPU per "
+             f"{args.who[:-1]}: use fewer {args.who}", every_rank=True)
+    args.backend = backend
+    serve_group(store, rank, world_size, args.timeout)
+
+
+GROUP_STORE = None  # serve_group's store, alive as long as this process
+
+
+def serve_group(store, rank, world_size, timeout_s):
+    """Point torchrun's environment (MASTER_ADDR, MASTER_PORT) at a store of this attempt's own,
+    which rank 0 hosts, on a port the OS picks, published in the launcher's `store` under this
+    attempt's keys (docs/traps.md#restarts): init_process_group's env:// then meets there. Under
+    a launcher without a store (srun's ranks), the store rank 0 hosts already (`store`'s).
+    Either way env:// is told to join it, not to host one (TORCHELASTIC_USE_AGENT_STORE)."""
+    global GROUP_STORE
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if rank == 0:
+            # On one machine, MASTER_ADDR is this one; across machines, its name as torchrun
+            # gives it (its own store, under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+            one_machine = os.environ["WORLD_SIZE"] == os.environ["LOCAL_WORLD_SIZE"]
+            host = os.environ["MASTER_ADDR"] if one_machine else socket.getfqdn()
+            GROUP_STORE = tcp_store(host, 0, world_size, is_master=True, timeout=timeout,
+                                    wait_for_workers=False)
+            store.set("group_store", f"{host} {GROUP_STORE.port}")
+        host, port = store.get("group_store").decode().split()
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+    else:
+        GROUP_STORE = store
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    if sys.platform == "win32":
+        os.environ["USE_LIBUV"] = "0"  # env://'s client: tcp_store's reason
 
 
 def rendezvous_store(rank, world_size, timeout_s):
-    """The store the ranks meet in, for setup() to compare GPUs in and init_process_group to
-    use. The launcher's (torchrun's agent, or launch() below), with keys of their own for every
-    restart attempt: without the prefix a restarted gloo group reads the dead attempt's
-    addresses and hangs or fails (docs/traps.md#restarts). Without one (srun's ranks), the
-    store init_process_group would make itself: rank 0 hosts it at MASTER_ADDR:MASTER_PORT."""
+    """The store the ranks meet in before the group, to compare GPUs and publish the group's
+    store in (meet). The launcher's (torchrun's agent, or launch() below), with keys of their own
+    for every restart attempt: it outlives a restart, and the dead attempt's keys are still in it
+    (docs/traps.md#restarts). Without one (srun's ranks), rank 0 hosts it at
+    MASTER_ADDR:MASTER_PORT, where env:// would have hosted its own."""
     address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -113,19 +154,6 @@ def tcp_store(*args, **kwargs):
     #139990; torchrun on Windows needs USE_LIBUV=0 for the same reason). So TCPStore's older
     server on Windows; elsewhere, libuv."""
     return dist.TCPStore(*args, use_libuv=sys.platform != "win32", **kwargs)
-
-
-def leave():
-    """Leave the process group at a clean exit. Call it only there: after an exception a peer
-    may be waiting in a collective this rank will never join, and tearing the group down under
-    it can deadlock (pytorch/torchtitan#1342); the exception exits non-zero instead and the
-    launcher ends the rest."""
-    gloo = dist.get_backend() == "gloo"
-    dist.destroy_process_group()
-    if gloo:
-        # Lets gloo's threads drop their last tensors while Python is alive; without it a
-        # worker can abort at exit with SIGABRT on torch 2.13 (docs/traps.md#sigabrt).
-        time.sleep(0.2)
 
 
 def spawned(local_rank, run, args, port):
@@ -157,7 +185,13 @@ def as_rank(run, args):
     gloo or NCCL said, and the two usual causes."""
     quiet_known_warnings()  # two that torch prints on these correct runs (why: its docstring)
     try:
+        meet(args)  # all that setup()'s init_process_group needs first, and no lesson
         run(args)
+        if args.backend == "gloo":
+            # After destroy_process_group: lets gloo's threads drop their last tensors while
+            # Python is alive; without it a worker can abort at exit with SIGABRT on torch 2.13
+            # (docs/traps.md#sigabrt).
+            time.sleep(0.2)
     except RuntimeError as e:  # torch.distributed.DistError is one
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not (isinstance(e, dist.DistError) or any(s in first for s in PEER_LOST)):

@@ -223,9 +223,10 @@ def test_spawned_workers_split_the_cores_unless_omp_num_threads_is_set(omp, monk
     threads = []
     before = torch.get_num_threads()
     torch.set_num_threads(3)  # as OMP_NUM_THREADS=3 would have set it at start-up
+    monkeypatch.setattr(plumbing.ranks, "meet", lambda args: None)  # no peer to meet
     try:
         plumbing.ranks.spawned(0, lambda args: threads.append(torch.get_num_threads()),
-                       argparse.Namespace(nproc=2), free_port())
+                               argparse.Namespace(nproc=2, backend="gloo"), free_port())
     finally:
         torch.set_num_threads(before)
     assert threads == [3 if omp else max(1, os.cpu_count() // 2)]

@@ -11,6 +11,8 @@ import importlib
 import sys
 import types
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -176,6 +178,15 @@ class Joined(Exception):
     """Raised by a faked init_process_group: setup() got as far as joining the group."""
 
 
+def join(module, flags):
+    """What a rank of `module` does up to its group: meet (plumbing), then setup(), as
+    `python module.py` (its name in meet's refusals)."""
+    args = module.parse_args(flags)
+    with mock.patch.object(sys, "argv", [f"{module.__name__}.py"]):
+        plumbing.ranks.meet(args)
+    module.setup(args)
+
+
 @pytest.fixture
 def joining(monkeypatch):
     """Fakes what setup() calls on a GPU before it joins; returns what it was called with."""
@@ -223,6 +234,8 @@ def machine_of(fake_gpus, monkeypatch):
         store = dist.HashStore()
         store.set_timeout(datetime.timedelta(seconds=30))
         monkeypatch.setattr(plumbing.ranks, "rendezvous_store", lambda *args: store)
+        # meet() tells env:// to join the store it serves (faked above), not to host one
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
         pool = concurrent.futures.ThreadPoolExecutor(n - 1)
         for r in range(1, n):
             pool.submit(plumbing.ranks.sharing, store, r, n, uuids[r])
@@ -240,7 +253,7 @@ def test_ranks_that_each_see_one_gpu_of_their_own_each_drive_it_as_cuda0_over_nc
     module = importlib.import_module(script)
     machine_of(launcher, ["GPU-0", "GPU-1", "GPU-2", "GPU-3"], module)
     with pytest.raises(Joined):
-        module.setup(module.parse_args(["--device=cuda"]))
+        join(module, ["--device=cuda"])
     assert joining == {"gpu": torch.device("cuda", 0), "backend": "nccl",
                        "device_id": torch.device("cuda", 0)}
 
@@ -254,7 +267,7 @@ def test_ranks_that_see_the_same_one_gpu_are_refused_in_one_line(script, launche
     module = importlib.import_module(script)
     machine_of(launcher, ["GPU-0", "GPU-0"], module)
     with pytest.raises(SystemExit) as exit_:
-        module.setup(module.parse_args(["--device=cuda"]))
+        join(module, ["--device=cuda"])
     assert str(exit_.value).startswith(f"{script}.py: error: 2 ")
     assert "drive one GPU" in str(exit_.value) and "\n" not in str(exit_.value)
     assert "backend" not in joining  # the group was never joined
@@ -275,11 +288,11 @@ def test_ddp_ranks_that_see_the_same_one_gpu_share_it_over_gloo(launcher, machin
     import ddp
     machine_of(launcher, ["GPU-0", "GPU-0"], ddp)
     with pytest.raises(Joined):
-        ddp.setup(ddp.parse_args(["--device=cuda"]))
+        join(ddp, ["--device=cuda"])
     assert joining == {"gpu": torch.device("cuda", 0), "backend": "gloo", "device_id": None}
     with pytest.raises(SystemExit, match="2 ranks, one GPU: use --backend gloo"):
         machine_of(launcher, ["GPU-0", "GPU-0"], ddp)
-        ddp.setup(ddp.parse_args(["--device=cuda", "--backend=nccl"]))
+        join(ddp, ["--device=cuda", "--backend=nccl"])
 
 
 def test_dataparallel_refuses_activation_checkpointing_on_2_gpus_in_one_line(fake_gpus, capsys):
