@@ -208,8 +208,9 @@ def train(args, rank, world_size, device):
             optimizer.consolidate_state_dict(to=0)
             if rank == 0:  # one writer: the replicas are identical; resumes on any world size
                 save_checkpoint(args, model, optimizer, step + 1)
-            # Then drop rank 0's gathered copy, every rank's moments in its CPU memory: nothing
-            # public frees it, and it would stay until the next checkpoint.
+            # Then drop rank 0's gathered copy, every rank's moments, which would stay until the
+            # next checkpoint. ZeroRedundancyOptimizer has no public call that frees it (torch
+            # 2.10 to 2.15): its private list is the only way.
             optimizer._all_state_dicts.clear()
             # --- end ---
     profiler.stop()

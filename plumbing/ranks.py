@@ -120,7 +120,8 @@ def serve_group(store, rank, world_size, timeout_s):
             # On one machine, MASTER_ADDR is this one; across machines, its name as torchrun
             # gives it (its own store, under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
             one_machine = os.environ["WORLD_SIZE"] == os.environ["LOCAL_WORLD_SIZE"]
-            host = os.environ["MASTER_ADDR"] if one_machine else socket.getfqdn()
+            host = (os.environ["MASTER_ADDR"] if one_machine
+                    else socket.getfqdn(socket.gethostname()))
             GROUP_STORE = tcp_store(host, 0, world_size, is_master=True, timeout=timeout,
                                     wait_for_workers=False)
             store.set("group_store", f"{host} {GROUP_STORE.port}")

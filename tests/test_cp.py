@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from common import SEQ_LEN
-from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS,
-                      JOB_FLAGS, REPO, TOL, launch, load_saved, mutated, ranks_cmd,
-                      assert_checkpoints_resume_to_the_oracle,
+from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB_FLAGS,
+                      REPO, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, early_runs, fp64, launched_runs, logged_losses,
-                      max_diff, moe, needs_2_gpus, needs_cuda, ok, refused_in_one_line,
-                      run_as_only_rank, succeeded, summary_val_loss, torchrun)
+                      assert_norms_are_the_oracles, early_runs, fp64, launch, launched_runs,
+                      load_saved, logged_losses, marked_quick, max_diff, moe, mutated, needs_2_gpus,
+                      needs_cuda, ok, ranks_cmd, refused_in_one_line, run_as_only_rank, succeeded,
+                      summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
@@ -41,6 +41,7 @@ FP64_RUNS = {name: (seed, clip, mixture) for name, seed, clip, mixture in zip(
 
 
 early_launches = early_runs("cp.py", RUNS)  # queued when the tests are collected
+QUICK = {"fp64, 4 ranks, cp 4, ring, accum 2, clip"}  # the quick tier's (-m quick)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_cp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val)
     assert_norms_are_the_oracles(out, reference[3])
 
 
-@pytest.mark.parametrize("name", FP64_RUNS)
+@pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
 def test_fp64_ring_and_fsdp_allgather_with_accumulation_clipping_and_ac_equal_the_fp64_oracle(
         name, runs):
     """Weights to 1e-9, and every printed loss, gradient norm and validation loss to the

@@ -12,7 +12,8 @@ import torch
 from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
                       summary_numbers, summary_val_loss, torchrun_cmd)
 
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd",
+SCRIPTS = ["single", "dataparallel", "ddp", "zero", "fsdp", "tp", "amp", "pipeline", "cp", "ep",
+           "nd",
            *(f"from_scratch.{name}" for name in ("ddp", "zero", "fsdp", "tp", "pipeline"))]
 # Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has
 # imported torch already), all queued with the other launches when the tests are collected.
@@ -21,6 +22,7 @@ SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp
 # machine must pass this suite too.
 LAUNCHED = {
     "torchrun --nproc_per_node=2 ddp.py": torchrun_cmd(2, "ddp.py", "--device=cpu"),
+    "python zero.py": [sys.executable, "zero.py", "--device=cpu"],  # starts 2 workers
     "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
     "python pipeline.py": [sys.executable, "pipeline.py", "--device=cpu"],  # starts 2 stages
     "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
@@ -34,6 +36,11 @@ LAUNCHED = {
                                             "--device=cpu"]
        for script in ("ddp", "zero", "fsdp", "tp", "pipeline")},
 }
+
+
+# All of them the quick tier's (python -m pytest -q -m quick tests), with one fp64 proof of each
+# script (its own test file's QUICK)
+pytestmark = pytest.mark.quick
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)

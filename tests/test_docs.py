@@ -270,6 +270,31 @@ def changed_lines(before, after):
     return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
 
+def added_and_removed(before, after):
+    """(lines added, lines removed) of changed_lines' diff."""
+    def body(text):
+        return text.splitlines()[ast.parse(text).body[0].end_lineno:]
+    diff = [line for line in difflib.unified_diff(body(before), body(after), lineterm="", n=0)
+            if not line.startswith(("+++", "---"))]
+    return sum(line[:1] == "+" for line in diff), sum(line[:1] == "-" for line in diff)
+
+
+def test_from_scratch_md_counts_each_twins_changed_lines_as_the_diff_does():
+    """Its table's column of changed lines, and the paragraph's lines added and removed."""
+    page = (REPO / "docs" / "from_scratch.md").read_text()
+    table = dict(re.findall(r"^\| `from_scratch/(\w+)\.py` \|.*\| (\d+) \|[^|]*\|$", page, re.M))
+    assert sorted(table) == sorted(name.removeprefix("from_scratch/") for name in BY_HAND)
+    for name, n in table.items():
+        before, after = ((REPO / folder / f"{name}.py").read_text()
+                         for folder in ("", "from_scratch"))
+        assert int(n) == changed_lines(before, after), name
+    tp = added_and_removed((REPO / "tp.py").read_text(), (REPO / "from_scratch/tp.py").read_text())
+    assert f"It adds {tp[0]} lines and removes {tp[1]}, {sum(tp)} in all." in " ".join(page.split())
+    fsdp = added_and_removed((REPO / "fsdp.py").read_text(),
+                             (REPO / "from_scratch/fsdp.py").read_text())
+    assert f"The FSDP twin removes {fsdp[1]} lines" in " ".join(page.split())
+
+
 def test_changed_lines_counts_what_a_diff_adds_and_removes_outside_the_docstring():
     script = '"""Docstring."""\n\nimport os\n\nx = 1\n'
     assert changed_lines(script, script.replace("Docstring", "Another docstring")) == 0
