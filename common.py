@@ -3,7 +3,7 @@
 A small causal transformer, GPT-2's shape in miniature, with an optional mixture of experts.
 Scripts change it only at its extension points: Attention.attend (cp.py), MoE.run_experts
 (ep.py), SimpleModel.tp_plan (tp.py, nd.py), SimpleModel.blocks (pipeline stages). Your own
-model replaces SimpleModel here (docs/course.md#putting-your-own-model-in). plumbing/ holds
+model replaces SimpleModel here (docs/questions.md#putting-your-own-model-in). plumbing/ holds
 what every script shares and no lesson teaches: you need not open it.
 """
 

@@ -15,7 +15,13 @@ When not
     serializes the threads), GPU 0 gathers outputs and holds the optimizer (so it runs out of
     memory first and idles the others), and the weights are copied again every step. It cannot
     span machines. PyTorch's docs recommend DistributedDataParallel even on one machine: see
-    ddp.py, and `diff single.py ddp.py` for what that takes.
+    ddp.py, and `diff single.py ddp.py` for what that takes. State kept per replica is not
+    shared: a BatchNorm would normalize each GPU's slice alone (and is refused), and a
+    mixture's routing counts would stay on the replicas (the dense model only).
+
+On a CPU
+    No wrapper at all: `python dataparallel.py` on a CPU runs single.py's loop and prints its
+    numbers. What DataParallel does (the copies, the threads, GPU 0's gather) needs 2 GPUs.
 
 Launch
     python dataparallel.py                   # all visible GPUs, or the CPU if there are none
@@ -41,7 +47,7 @@ from torch.nn import DataParallel
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
@@ -101,15 +107,10 @@ def train(args, device):
     # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DataParallel: wrap the model ---
-    # Every forward: replicate the weights onto each visible GPU, scatter the batch along
-    # dim 0 (B/G samples each), run the G forwards in threads, gather the outputs on GPU 0.
-    # Backward runs through the same graph, so the replicas' gradients are summed into the
-    # one real copy on GPU 0: the result is the full-batch gradient, as on one device.
-    # Per-replica state would not be shared: a BatchNorm would normalize each slice with its
-    # own statistics (SyncBatchNorm fixes that, in DDP), and the mixture's routing counts
-    # (MoE.routed, for balance()) would stay on the replicas: the dense model only.
-    # device_ids: every visible GPU. On the CPU, no wrapper at all: DataParallel would still
-    # take the visible GPUs, and refuse a model whose weights are not on the first of them.
+    # Every forward copies the weights to each visible GPU, cuts the batch along dim 0 (B/G
+    # samples each), runs the G forwards in threads and gathers the outputs on GPU 0. Backward
+    # sums the replicas' gradients into the one real copy on GPU 0: the whole batch's gradient.
+    # On a CPU there is nothing to wrap: the model runs as in single.py.
     dp_model = DataParallel(model) if device.type == "cuda" else model
     # --- end ---
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -142,7 +143,8 @@ def train(args, device):
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"):
-                loss = loss_fn(dp_model(x), y) / args.accum_steps
+                loss = loss_fn(dp_model(x), y)
+                loss = (loss + balance(model, args)) / args.accum_steps  # MoE: after forward
             with record_function("backward"):
                 loss.backward()
             loss_sum += loss.detach()

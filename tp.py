@@ -18,7 +18,7 @@ What it teaches
     W/T groups ("dp") of T ranks ("tp"): TP inside each group, FSDP across the groups, each
     group on its own shard of every batch (2D). With global batch B the result equals one
     device with batch B: the tests prove it in float64 to 1e-9. The model's tp_plan names what
-    is cut; tp.py refuses one it cannot follow (docs/course.md#putting-your-own-model-in).
+    is cut; tp.py refuses one it cannot follow (docs/questions.md#putting-your-own-model-in).
 
     --sequence-parallel (SP, Megatron-LM's, which comes with TP in transformers): between the
     TP regions (the norms, the residual sums) each rank holds 1/T of the sequence instead of
@@ -81,7 +81,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import check_resumable, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
@@ -323,7 +323,8 @@ def train(args, rank, world_size, device):
             # loss_parallel(): the cross-entropy of logits cut over the vocabulary, from
             # all-reduces of one number per token; backward, in pieces too, runs inside it.
             with cut_logits(), record_function("forward"):
-                loss = whole(loss_fn(model(x), y)) / args.accum_steps
+                loss = whole(loss_fn(model(x), y))
+                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
             with cut_logits(), record_function("backward"):
                 loss.backward()
             # --- end ---

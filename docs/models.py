@@ -5,7 +5,7 @@ against single.py on the same model, and the table of docs/models.md written fro
     python docs/models.py                    # every cell (~90 runs); rewrites docs/models.md
     python docs/models.py --models cnn       # one model's row, printed; docs/models.md untouched
 
-Each model goes in as docs/course.md#putting-your-own-model-in says: a copy of the scripts,
+Each model goes in as docs/questions.md#putting-your-own-model-in says: a copy of the scripts,
 one line at the end of its common.py (`from hf_llama import SimpleModel`), the adapter beside
 it (tests/hf_llama.py, ...). A cell is the largest weight difference from single.py's run
 when the run's weights end within 1e-9 of it and every printed loss equals it; otherwise
@@ -154,7 +154,7 @@ def page(found, models):
 Every script, run on models nobody here wrote, in float64, against single.py on the same model
 (`python docs/models.py`, {torch.__version__}; {len(found) + len(models)} runs of
 `{' '.join(FLAGS)}`). Each model was put in as
-[course.md](course.md#putting-your-own-model-in) says: one line at the end of a copy of
+[course.md](questions.md#putting-your-own-model-in) says: one line at the end of a copy of
 common.py, the adapter beside it ([tests/](../tests/): {adapters}).
 
 `=` is a run whose weights end within {TOL:.0e} of single.py's (the largest difference in

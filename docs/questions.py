@@ -1,5 +1,5 @@
-"""Measures the answers in docs/course.md's "What learners ask next" that the scripts cannot
-show themselves, on 2 CPU ranks over gloo (a laptop is enough):
+"""Measures the answers in docs/questions.md that the scripts cannot show themselves, on 2 CPU
+ranks over gloo (a laptop is enough):
 
     python docs/questions.py syncbn   # BatchNorm across ranks: per-rank statistics against
                                       # global ones (what SyncBatchNorm does), their cost, and
@@ -9,7 +9,7 @@ show themselves, on 2 CPU ranks over gloo (a laptop is enough):
                                       # without reading the skipped batches
     python docs/questions.py          # all three
 
-Each prints what it measured; docs/course.md quotes it (the tests do not run it: its timeouts
+Each prints what it measured; docs/questions.md quotes it (the tests do not run it: its timeouts
 wait 3 s each).
 """
 

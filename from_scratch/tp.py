@@ -67,7 +67,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 # common.py and plumbing/ are one folder up, in the collection's root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import check_tp, grid, positive
@@ -301,7 +301,8 @@ def train(args, rank, world_size, device):
             # Divided by K so that K micro-batch gradients add up to the mean over the
             # whole batch, not K times it (which would act like a K times larger lr).
             with record_function("forward"):
-                loss = loss_fn(model(x), y) / args.accum_steps
+                loss = loss_fn(model(x), y)
+                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             loss_sum += loss.detach()

@@ -1,5 +1,5 @@
 """Your model, checked before any process starts: what would train differently from one device
-without an error is refused in one line (docs/course.md#putting-your-own-model-in); and, once
+without an error is refused in one line (docs/questions.md#putting-your-own-model-in); and, once
 tp.py has cut it, what its plan did checked against what the plan says (check_cut)."""
 
 import os
@@ -53,7 +53,8 @@ def check_model(parser, args, ranks=None, cut=None):
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p and ranks * micro > 1:
             parser.error(f"{name}.{path} is a {type(module).__name__}(p={module.p}): each rank "
                          "and micro-batch draws its own masks, so the run cannot equal one "
-                         "device's; set p=0 to prove it (docs/course.md#putting-your-own-model-in)")
+                         "device's; set p=0 to prove it "
+                         "(docs/questions.md#putting-your-own-model-in)")
     layout = [getattr(getattr(b, "moe", None), "experts", None) for b in model.blocks.values()]
     if "ep" in args and args.experts and not all(isinstance(e, nn.ModuleDict) for e in layout):
         parser.error(f"ep.py spreads each block's moe.experts (an nn.ModuleDict of experts) and "
@@ -118,7 +119,7 @@ def check_plan(parser, args, model, name, tied):
     if not {"colwise", "rowwise"} & set(plan.values()):
         parser.error(f"{name}.tp_plan cuts nothing (no colwise or rowwise layer): every rank "
                      "would hold and compute the whole model; write one "
-                     "(docs/course.md#putting-your-own-model-in)")
+                     "(docs/questions.md#putting-your-own-model-in)")
     heads = {m for key, kind in plan.items() if kind == "head" for m in resolved(key)}
     for paths in tied if getattr(args, "loss_parallel", False) else ():
         if any(path.rsplit(".", 1)[0] in heads for path in paths):

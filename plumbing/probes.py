@@ -135,7 +135,7 @@ def probe(parser, args, name, split, cut):
             if mode.found:
                 m = mode.found[0]
                 print(f"note: --fp64: {name}.{paths[m]} ({type(m).__name__}) computes in float32: "
-                      "correct runs part by ~1e-8, not ~1e-13; docs/course.md#fp32-islands",
+                      "correct runs part by ~1e-8, not ~1e-13; docs/questions.md#fp32-islands",
                       flush=True)
         if split:  # the first half of a batch, forwarded with and without the second
             whole, again = outputs(model, x)[0], outputs(model, x)[0]
@@ -177,7 +177,7 @@ def probe(parser, args, name, split, cut):
                 parser.error(f"{script}'s cut() makes stages of {name} by deleting "
                              f"SimpleModel's parts (embed, pos, blocks, norm, output), and {why}; "
                              "write cut() for your model "
-                             "(docs/course.md#putting-your-own-model-in)")
+                             "(docs/questions.md#putting-your-own-model-in)")
         if cp:
             attns = [getattr(block, "attn", None) for block in model.blocks.values()]
             if not all(hasattr(a, "attend") for a in attns):

@@ -1,6 +1,6 @@
 """A user's model that is not SimpleModel: a small GPT-2, with GPT-2's names (wte, wpe, ln_1,
 attn.c_attn, ...), one fused qkv layer, a head tied to the token embedding, dropout, and the
-TP plan its user writes for it. docs/course.md ("Putting your own model in") uses it as the
+TP plan its user writes for it. docs/questions.md ("Putting your own model in") uses it as the
 worked example; tests/test_own_model.py puts it into single.py, ddp.py, fsdp.py and tp.py by
 one line at the end of a copy of common.py (`from gpt_like import SimpleModel`: the data and the
 loss stay common.py's; it counts no FLOPs, so a GPU run prints no TFLOP/s) and proves each

@@ -33,17 +33,17 @@ CAP_MB = 0.02  # from_scratch/ddp.py's --bucket-cap-mb: JOB's fp32 model in 4 bu
 RUNS = {
     # fp32, what users run: the short job (and traces steps 5-7)
     "2 ranks": (2, ["--profile={folder}/trace"]),
-    # `python ddp.py` starts 4, which clip the gradient at every step, with CUDA's defaults,
+    # 4 ranks, which clip the gradient at every step, with CUDA's defaults,
     # training a mixture of 3 experts, top-1 (tests/test_moe.py), over 3 micro-batches: its
     # balancing loss takes the 4 ranks' routing (one device's micro-batch)
-    "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (None, [
-        CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]]),
+    "fp64, 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (4, [
+        CUDA_DEFAULTS, *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]]),
     # by hand, beside each (from_scratch/ddp.py): the trace of a model in 4 buckets...
     "by hand, 2 ranks": (2, ["--profile={folder}/hand-trace", f"--bucket-cap-mb={CAP_MB}"],
                          "from_scratch/ddp.py"),
     # ...and the flags of the fp64 run above, for its weights and every number it prints
-    "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (None, [
-        CUDA_DEFAULTS, "--nproc=4", *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]],
+    "by hand, fp64, 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (4, [
+        CUDA_DEFAULTS, *fp64(SEED_B, clip=FP64_CLIP), *moe(3, 1, 3)[0]],
         "from_scratch/ddp.py"),
 }
 # zero.py's, the same way: Adam's state sharded over 2 ranks; and fp64 on odd flags: 3 ranks
@@ -63,15 +63,15 @@ ZERO_RUNS = {
 }
 FP64_RUNS = {  # name: (seed, clip, the oracle's mixture)
     "zero, fp64, 3 ranks, accum 3, AC": (SEED_A, FP64_CLIP, {}),
-    "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (SEED_B, FP64_CLIP,
+    "fp64, 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (SEED_B, FP64_CLIP,
                                                                    moe(3, 1, 3)[1]),
     "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": (SEED_A, FP64_CLIP, {}),
-    "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (
+    "by hand, fp64, 4 ranks, 3 experts, accum 3, clip, CUDA's Adam": (
         SEED_B, FP64_CLIP, moe(3, 1, 3)[1])}
 # by-hand run: the wrapper's run of the same flags
 TWINS = {"by hand, 2 ranks": "2 ranks",
-         "by hand, fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam":
-             "fp64, spawn 4 ranks, 3 experts, accum 3, clip, CUDA's Adam",
+         "by hand, fp64, 4 ranks, 3 experts, accum 3, clip, CUDA's Adam":
+             "fp64, 4 ranks, 3 experts, accum 3, clip, CUDA's Adam",
          "zero by hand, ZeRO-1, 2 ranks": "zero, 2 ranks",
          "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": "zero, fp64, 3 ranks, accum 3, AC"}
 

@@ -4,6 +4,7 @@ same numbers whichever script runs them."""
 
 import importlib
 import re
+import shutil
 import sys
 
 import pytest
@@ -25,7 +26,7 @@ LAUNCHED = {
     "python zero.py": [sys.executable, "zero.py", "--device=cpu"],  # starts 2 workers
     "python fsdp.py": [sys.executable, "fsdp.py", "--device=cpu"],  # starts 2 workers
     "python pipeline.py": [sys.executable, "pipeline.py", "--device=cpu"],  # starts 2 stages
-    "torchrun --nproc_per_node=2 tp.py": torchrun_cmd(2, "tp.py", "--device=cpu"),
+    "python tp.py": [sys.executable, "tp.py", "--device=cpu"],  # starts 2 workers
     "python cp.py": [sys.executable, "cp.py", "--device=cpu"],  # starts 2 workers
     "python ep.py": [sys.executable, "ep.py", "--device=cpu"],  # 2 workers, 2 experts each
     "python nd.py": [sys.executable, "nd.py", "--device=cpu"],  # 4 workers: 2 (pp) x 2 (tp)
@@ -44,7 +45,17 @@ pytestmark = pytest.mark.quick
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)
-    return list(LAUNCHED.values()), None
+    """LAUNCHED; the README's first command runs ddp.py copied into an empty folder with what
+    the README says to copy beside it (common.py, plumbing/), as a learner takes it away."""
+    copy = folder / "copy"
+    copy.mkdir()
+    for name in ("ddp.py", "common.py"):
+        shutil.copy(REPO / name, copy / name)
+    shutil.copytree(REPO / "plumbing", copy / "plumbing",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    readme_first = torchrun_cmd(2, copy / "ddp.py", "--device=cpu")
+    return [readme_first if name == "torchrun --nproc_per_node=2 ddp.py" else cmd
+            for name, cmd in LAUNCHED.items()], None
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +119,8 @@ def test_the_readme_shows_what_its_first_command_prints_on_the_cpu_and_torch_it_
     norms and validation losses are what that command prints now. Checked where the README
     says it was measured (that CPU and torch); another CPU's kernels may move the last digits."""
     readme = (REPO / "README.md").read_text()
-    block = re.search(r"The first command ends like this.*?```\n(.*?)```", readme, re.S).group(1)
+    block = re.search(r"`torchrun --nproc_per_node=2 ddp.py` ends like this.*?```\n(.*?)```",
+                      readme, re.S).group(1)
     cpu, capability, version = re.search(
         r"Measured on \d+ cores of an? (.+?) \(CPU capability (\w+)\), torch (\S+?);",
         " ".join(readme.split())).groups()

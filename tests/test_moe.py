@@ -14,7 +14,7 @@ SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
 
 
 # The scripts that train a mixture over several ranks are proven where their dense runs are,
-# on flags nobody chose: ddp.py (4 ranks spawned, 3 experts, top-1, 3 micro-batches, clipped)
+# on flags nobody chose: ddp.py (4 ranks, 3 experts, top-1, 3 micro-batches, clipped)
 # in tests/test_ddp.py, fsdp.py (HSDP 2x2 spawned, 5 experts, top-2, clipped, its checkpoint
 # resumed on 2 ranks) in tests/test_fsdp.py, cp.py (2 ranks, 4 experts, top-2, 3 micro-batches,
 # AC) in tests/test_cp.py, ep.py in tests/test_ep.py; single.py and amp.py below.

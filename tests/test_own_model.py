@@ -1,4 +1,4 @@
-"""docs/course.md's "Putting your own model in" is true, on two models the scripts were not
+"""docs/questions.md's "Putting your own model in" is true, on two models the scripts were not
 written for, each put in where the section says (one line at the end of a copy of common.py):
 
 - tests/user_model.py, a regression MLP with its own data and loss: single.py, ddp.py and

@@ -1,4 +1,4 @@
-"""The models users bring, put in as docs/course.md says (one line at the end of a copy of
+"""The models users bring, put in as docs/questions.md says (one line at the end of a copy of
 common.py), on models nobody here wrote: Hugging Face's Llama (RoPE's non-persistent inv_freq,
 grouped KV heads) and GPT-2, and SimpleModel with one non-persistent buffer its forward uses.
 

@@ -1,5 +1,5 @@
 """A user's model: the collection's previous SimpleModel, a regression MLP, with its data and its
-loss. tests/test_own_model.py puts it into the scripts the way docs/course.md ("Putting your own
+loss. tests/test_own_model.py puts it into the scripts the way docs/questions.md ("Putting your own
 model in") says: common.py's three names point here, and nothing else changes.
 
 The scripts build `SimpleModel.from_args(args)` and wrap, shard and checkpoint `model.blocks`
