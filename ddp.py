@@ -136,7 +136,8 @@ def train(args, rank, world_size, device):
     # --compile and --activation-checkpointing, per block, before any wrapper
     compile_and_checkpoint(model.blocks.values(), args)
     # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
-    # (each bucket, 25 MB, the first 1 MB, as soon as backward has made it; .grad views into it)
+    # Backward fills the gradients into buckets of 25 MB (the first one 1 MB), and DDP
+    # all-reduces each bucket as soon as it is full. Each .grad is a view into its bucket.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     # --- end ---
