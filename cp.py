@@ -27,11 +27,10 @@ What it teaches
     saw part of the batch): DDP averages them over every rank. With --cp C smaller than the
     world size W, the ranks form a grid of W/C groups ("dp") of C ("cp"), each group on samples
     of its own. Each rank's loss is the mean over its own tokens: every rank holds as many, so
-    their average over the W ranks is the mean over the batch. --fsdp shards the weights,
-    gradients and Adam's state instead (long contexts come with big models), with fully_shard
-    over the same W ranks, data x context, which averages alike; over "dp" only, the CP ranks'
-    parts of each gradient would never be added, silently. With global batch B the result
-    equals one device with batch B: the tests prove it in float64 to 1e-9.
+    their average over the W ranks is the mean over the batch. With global batch B the result
+    equals one device with batch B: the tests prove it in float64 to 1e-9. Long contexts come
+    with big models: FSDP x CP, the weights sharded over data x context, is nd.py's
+    (python nd.py --pp 1 --tp 1 --cp C), where its mesh is.
 
 When to use it
     Sequences so long that one sequence's activations (which grow with its length) do not fit
@@ -50,9 +49,8 @@ Launch
     torchrun --nproc_per_node=2 cp.py              # each sequence in 2 pieces (all-gather)
     torchrun --nproc_per_node=2 cp.py --cp-method ring
     torchrun --nproc_per_node=4 cp.py --cp 2       # dp 2 x cp 2: two groups, 2 pieces each
-    torchrun --nproc_per_node=4 cp.py --cp 2 --fsdp   # ... sharded over all 4 (FSDP x CP)
     torchrun --nproc_per_node=2 cp.py --fp64       # float64: within 1e-9 of single.py --fp64
-    torchrun --nproc_per_node=4 cp.py --checkpoint ckpt.pt   # resumes on any --cp, --fsdp
+    torchrun --nproc_per_node=4 cp.py --checkpoint ckpt.pt   # resumes on any --cp, and in nd.py
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank,
     and a CP group inside one machine where it can be (its exchanges are per layer).
 
@@ -63,7 +61,7 @@ Docs
     https://pytorch.org/tutorials/prototype/context_parallel.html (PyTorch's, CUDA only)
     https://arxiv.org/abs/2310.01889 (ring attention)
     https://arxiv.org/abs/2407.21783 (Llama 3: all-gather CP, the load-balanced chunks)
-    docs/long-sequences.md (FSDP x CP, and CP inside nd.py's mesh)
+    docs/long-sequences.md (CP inside nd.py's mesh, FSDP x CP among it)
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
@@ -76,17 +74,13 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, SimpleModel, balance, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, gather_full_state, named_adam, save_atomic
-from plumbing.checkpoints import train_state, unloadable
+from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
@@ -101,8 +95,6 @@ def parse_args(argv=None):
                           "parallel group, each with 1/CP of every sequence (default: all)")
     hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
                           help="how attention reaches the other ranks' keys and values")
-    hardware.add_argument("--fsdp", action="store_true", help="shard the weights, gradients "
-                          "and Adam's state over every rank (data x context), not DDP")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
     world_size = launch_world(parser, args, data_parallel=False)[0]  # torchrun's, or --nproc
@@ -137,7 +129,7 @@ def setup(args):
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
     print0(f"cp: {world_size} ranks = {world_size // args.cp} (dp) x {args.cp} (cp), "
-           f"{args.cp_method}, {'FSDP' if args.fsdp else 'DDP'} | backend {args.backend} | "
+           f"{args.cp_method} | backend {args.backend} | "
            f"device {device.type} | torch {torch.__version__}")
     return rank, world_size, device
 
@@ -164,9 +156,6 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     # Over every rank: each holds tokens no other rank has.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    for module in model.modules():  # FSDP: free the weights gathered for no backward
-        if isinstance(module, FSDPModule):
-            module.reshard()
     # --- end ---
     model.train()
     return (sums[0] / sums[1]).item()
@@ -311,26 +300,14 @@ def train(args, rank, world_size, device):
     positions = cut_sequences(model, mesh, args.cp_method)  # on the CPU: they index batches
     where = positions.to(device)  # and on the device, the position embedding's input
     # --- end ---
-    if args.fsdp:
-        # --- FSDP x CP: shard over the data and context ranks together: here, every rank ---
-        # FSDP averages each gradient over the mesh it is given, as DDP: each rank's loss is
-        # the mean over its own tokens, their average the batch's. Over "dp" only, a CP group's
-        # parts of each gradient would never be added, silently (docs/traps.md#fsdp-over-dp-x-cp).
-        # A loss already divided by the batch's tokens: docs/traps.md#loss-normalized-twice.
-        # No broadcast (DDP's): every rank built the same weights from --seed; each keeps its shard.
-        everyone = init_device_mesh(device.type, (world_size,))  # dp x cp, flattened
-        for block in model.blocks.values():  # each block whole only while it runs
-            fully_shard(block, mesh=everyone)
-        ddp_model = fully_shard(model, mesh=everyone)  # the model itself, named as DDP's wrapper
-        # --- end ---
-    else:
-        # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
-        # (each bucket, 25 MB, the first 1 MB, as soon as backward has made it; .grad views)
-        # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average
-        # to the gradient of the batch's mean loss.
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
-        # --- end ---
+    # --- DDP: wrap the model: rank 0's weights broadcast, gradients averaged in backward ---
+    # Backward fills the gradients into buckets of 25 MB (the first one 1 MB), and DDP
+    # all-reduces each bucket as soon as it is full. Each .grad is a view into its bucket.
+    # Over every rank, CP's too: the ranks' gradients of their tokens' mean losses average
+    # to the gradient of the batch's mean loss.
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    # --- end ---
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
@@ -366,11 +343,8 @@ def train(args, rank, world_size, device):
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
-            # (FSDP has a switch instead; its whole gradients wait for the last micro-batch.)
             last = micro == args.accum_steps - 1
-            if args.fsdp:
-                model.set_requires_gradient_sync(last)
-            with contextlib.nullcontext() if last or args.fsdp else ddp_model.no_sync():
+            with contextlib.nullcontext() if last else ddp_model.no_sync():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
                     loss = loss_fn(ddp_model(x, positions=where), y)
@@ -384,7 +358,6 @@ def train(args, rank, world_size, device):
             # larger (0: never; the norm is still measured). Returns the norm before clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                        args.clip or float("inf"))
-            grad_norm = grad_norm.full_tensor() if args.fsdp else grad_norm  # FSDP: a DTensor
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         samples_per_s = meter.step(args.batch_size)
@@ -402,23 +375,19 @@ def train(args, rank, world_size, device):
                 val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size, device, positions)
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            # One device's file on rank 0, the one writer: resumes on any world size, or in
-            # single.py. DDP's replicas are whole; FSDP's shards are gathered (a collective).
-            with meter.paused():
-                weights, adam = gather_full_state(args, [(model, optimizer)])
-                if rank == 0:
-                    save_checkpoint(args, weights, adam, step + 1)
+            if rank == 0:  # one writer: the replicas are identical; resumes on any world size
+                save_checkpoint(args, model, optimizer, step + 1)
     profiler.stop()
     print0(meter.summary(final_loss, model, val_loss=val_loss,
                          state_bytes=held_bytes(model, optimizer)))
     return model, final_loss, val_loss
 
 
-def save_checkpoint(args, weights, adam, step):
+def save_checkpoint(args, model, optimizer, step):
     """Everything needed to continue exactly where this run is: the data position is a
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
-    save_atomic({"model": weights, "optimizer": adam,
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
@@ -435,16 +404,13 @@ def load_checkpoint(args, model, optimizer):
         # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
         # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
         # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
-        # the set_*_state_dict calls then copy the weights and the moments to their device.
+        # load_state_dict then copies the weights and the moments to their device.
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        # (FSDP: each rank keeps its shards of the file's whole tensors)
-        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        model.load_state_dict(state["model"])
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
         refuse(unloadable(e))  # what is wrong with it, and what to do
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
-    # Adam's moments on the device (FSDP: sharded as their parameters; the API names them)
-    set_optimizer_state_dict(model, optimizer, named_adam(state["optimizer"], args),
-                             options=StateDictOptions(full_state_dict=True))
+    optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
 
@@ -453,11 +419,9 @@ def run(args):
     """What each process does: set up, train, save."""
     rank, world_size, device = setup(args)
     model, _, _ = train(args, rank, world_size, device)
-    if args.save:
-        # The unwrapped model's (DDP's names each weight "module.<name>"), whole on rank 0
-        weights = gather_full_state(args, [(model, None)])[0]  # a collective: every rank
-        if rank == 0:
-            save_atomic(weights, args.save)  # CPU tensors: loads anywhere
+    if args.save and rank == 0:
+        # The unwrapped model: the wrapper's state_dict names each weight "module.<name>"
+        save_atomic(model.state_dict(), args.save)  # CPU tensors: loads anywhere
     dist.destroy_process_group()  # on a clean exit only: after an error, peers may hang
 
 

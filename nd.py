@@ -37,6 +37,7 @@ Launch
     python nd.py                 # its own 4 workers on a CPU: 2 stages x 2 TP ranks, dp 1
     python nd.py --fp64 --nproc 8 --pp 2 --tp 2   # float64: within 1e-9 of single.py --fp64
     python nd.py --nproc 8 --pp 2 --cp 2 --tp 2 --cp-method ring   # each sequence in 2 pieces
+    torchrun --nproc_per_node=4 nd.py --pp 1 --tp 1 --cp 2   # FSDP x CP: dp 2 x cp 2, no pipe
     # single.py's checkpoint file: resumes on another mesh, in pipeline.py or in single.py
     torchrun --nproc_per_node=8 nd.py --pp 2 --tp 2 --checkpoint ckpt.pt
     # 2 machines of 8 GPUs: TP inside each machine, the pipeline across them
@@ -57,7 +58,7 @@ Docs
     https://pytorch.org/docs/stable/distributed.pipelining.html
     https://pytorch.org/docs/stable/distributed.tensor.parallel.html
     https://github.com/pytorch/torchtitan (the same composition, at scale)
-    docs/long-sequences.md (CP, and CP inside this mesh)
+    docs/long-sequences.md (CP, FSDP x CP, and CP inside this mesh)
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
 
@@ -113,9 +114,8 @@ def parse_args(argv=None):
     # torchrun's ranks, or the --nproc workers started here (default: --pp x --cp x --tp)
     args.nproc = args.nproc or args.pp * args.cp * args.tp
     world_size, local_world, gpus = launch_world(parser, args, data_parallel=False)
-    if args.pp < 2:
-        parser.error("--pp 1: no pipeline; use tp.py (FSDP x TP) or fsdp.py")
-    check_stages(parser, args, args.pp, gpus)  # pipeline.py's: schedule, stages, micro-batches
+    # pipeline.py's: schedule, stages, micro-batches; --pp 1 runs a schedule of one stage
+    check_stages(parser, args, args.pp, gpus, scheduled=True)
     check_mesh(parser, args, world_size, local_world)
     check_model(parser, args, cut=cut)  # and the model: what would train silently wrong, refused
     return args

@@ -101,9 +101,10 @@ def parse_args(argv=None):
     return args
 
 
-def check_stages(parser, args, world_size, gpus):
-    """One process driving every stage (model parallelism), or one stage per rank: its checks."""
-    if world_size == 1:  # no schedule to ask for
+def check_stages(parser, args, world_size, gpus, scheduled=False):
+    """One process driving every stage (model parallelism), or one stage per rank: its checks.
+    scheduled: one rank runs a schedule too (nd.py --pp 1, the data and context ranks around it)."""
+    if world_size == 1 and not scheduled:  # no schedule to ask for
         for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
                             ("--stages-per-rank", args.stages_per_rank)):
             if value is not None:

@@ -83,13 +83,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
 from plumbing.buffers import fill_buffers
-from plumbing.checkpoints import check_resumable, save_atomic, train_state
+from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import check_tp, grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_cut, check_model
-from plumbing.ranks import fail, launch
-from plumbing.sharded import commit_sharded, latest_sharded, load_sharded
+from plumbing.ranks import launch
+from plumbing.sharded import latest_checkpoint, load_sharded, step_folder
 
 
 def parse_args(argv=None):
@@ -385,30 +385,23 @@ def save_checkpoint(args, model, optimizer, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state. DCP writes each rank's shards and an index of them: any number
     of ranks can read it."""
-    name = f"step_{step:08d}"  # beside the last step's: `latest` names the whole one
     model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
-    # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
-    dcp.save({"model": model_state, "optimizer": optimizer_state},
-             checkpoint_id=os.path.join(args.checkpoint, name))
-    if dist.get_rank() == 0:  # then the small rest, the same on every rank; `latest` switched
-        commit_sharded(args.checkpoint, name, train_state(args, step))
+    with step_folder(args, step) as folder:  # a new one; `latest` names it once whole
+        # A collective: each rank writes its shards; rank 0 writes the index (.metadata) last.
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
 
 
 def load_checkpoint(args, model, optimizer):
     """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
     start from (0 without one). A bad one stops with one line and is left as it was."""
-    def refuse(why):
-        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
-
-    folder, state = latest_sharded(args.checkpoint, refuse)  # the step `latest` names
-    if folder is None:
+    state = latest_checkpoint(args, __file__)  # the step `latest` names, checked; or None
+    if state is None:
         return 0
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
+    # Only now: on an optimizer without state, get_state_dict makes Adam's by a zero step.
     model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices
     shards = {"model": model_state, "optimizer": optimizer_state}
-    # dcp.load reads the pieces each slice needs, but unpickles parts of the folder: one handed
-    # to you could run code. load_sharded (plumbing/sharded.py) reads data only, refusing a bad one.
-    load_sharded(shards, folder, refuse)
+    # dcp.load, reading the folder as data only: torch's own unpickles parts of it (runs code)
+    load_sharded(shards, state)
     set_state_dict(model, optimizer, model_state_dict=shards["model"],
                    optim_state_dict=shards["optimizer"])
     print0(f"resumed from {args.checkpoint} at step {state['step']}")

@@ -48,8 +48,9 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "CP: loss averaged over a rank's own tokens": (2, [], 40),
     "CP ring: a hop skipped where its keys are masked": (4, ["--cp-method=ring", "--timeout=10"],
                                                          4),
-    "CP x FSDP: sharded over dp only": (4, ["--cp=2", "--fsdp"], 40),
-    "CP x FSDP: the loss normalized twice": (4, ["--cp=2", "--fsdp"], 40),
+    # nd.py's FSDP x CP: no pipeline, FSDP over dp 2 x cp 2
+    **{name: (4, ["--pp=1", "--tp=1", "--cp=2", "--microbatches=2"], 40)
+       for name in test_zoo.MISTAKES if name.startswith("CP x FSDP")},
     "ND: positions not passed to the stages": (4, [*test_zoo.ND_FLAGS, "--cp=2"], 40),
     **{name: (2, test_zoo.EP_FLAGS, 40) for name in test_zoo.MISTAKES if name.startswith("EP")},
     "ND: the norm clipped per stage": (2, [*test_zoo.ND_FLAGS, f"--clip={conftest.FP64_CLIP}"], 40),

@@ -38,11 +38,19 @@ def positive(kind):
     return parse
 
 
+# Flags a script no longer has, and where their users go: one line, not argparse's "unrecognized".
+MOVED = {"cp.py": {"--fsdp": "FSDP x CP is nd.py's: python nd.py --pp 1 --tp 1 --cp C "
+                             "(FSDP over data x context, no pipeline)"}}
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser, whose refusals are one line, `prog: error: ...` (no usage block
     above it), printed by one process: under torchrun every rank parses the same flags."""
 
     def error(self, message):
+        for flag, where in MOVED.get(self.prog, {}).items():  # a flag that left for another script
+            if message.startswith("unrecognized arguments") and flag in message.split():
+                message = f"{flag}: {where}"
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)

@@ -1,18 +1,55 @@
 """Sharded checkpoints (fsdp.py, tp.py): the folder's bookkeeping and a data-only loader.
 
 --checkpoint is a folder of DCP checkpoints, one subfolder per step, and a file `latest`
-naming the complete one. A new step is written beside the old one, and `latest` is switched to
-it with one atomic os.replace only once it is complete: a crash at any moment leaves `latest`
-naming a whole checkpoint. Then the old one is removed. load_sharded reads a folder as data,
-never as code.
+naming the complete one. A new step is written beside the old one (step_folder), and `latest`
+is switched to it with one atomic os.replace only once it is complete: a crash at any moment
+leaves `latest` naming a whole checkpoint. Then the old one is removed. latest_checkpoint finds
+the one `latest` names and checks it can be continued; load_sharded reads it as data, never as
+code. A bad one is refused in one line.
 """
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
 
 import torch
+import torch.distributed as dist
+
+from plumbing.checkpoints import check_resumable, train_state
+from plumbing.ranks import fail
+
+
+@contextlib.contextmanager
+def step_folder(args, step):
+    """The folder to write step `step` into, beside the last one (a collective write, such as
+    dcp.save, goes inside the `with`); after it, rank 0 commits it: `latest` names it."""
+    name = f"step_{step:08d}"
+    yield os.path.join(args.checkpoint, name)
+    if dist.get_rank() == 0:  # dcp.save returned: every rank's shards and the index are written
+        commit_sharded(args.checkpoint, name, train_state(args, step))
+
+
+def latest_checkpoint(args, script):
+    """The train state of the step `latest` names in --checkpoint (its "step", and its
+    "folder" for load_sharded), or None where the folder holds no checkpoint yet. One this run
+    cannot continue, or that cannot be one, stops every rank with one line naming `script`
+    (its __file__) and is left as it was. Reads small files only: every rank calls it before
+    any collective, and all get the same answer."""
+    def refuse(why):
+        fail(f"{os.path.basename(script)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    folder, saved = latest_sharded(args.checkpoint, refuse)
+    if folder is None:
+        return None
+    check_resumable(saved, args, refuse)  # the same --batch-size, --seed, --fp64
+    return {**saved, "folder": folder, "refuse": refuse}
+
+
+def load_sharded(state, found):
+    """dcp.load(state) from the checkpoint latest_checkpoint `found`, read as data only."""
+    read_data_only(state, found["folder"], found["refuse"])
 
 
 def commit_sharded(folder, name, train_state):
@@ -82,7 +119,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise NotCheckpointData(f"{module}.{name}")
 
 
-def load_sharded(state, folder, refuse):
+def read_data_only(state, folder, refuse):
     """dcp.load(state, checkpoint_id=folder), reading the checkpoint as data, never as code;
     refuse(why) where it cannot be read, on every rank alike.
 
@@ -106,7 +143,7 @@ def load_sharded(state, folder, refuse):
 
 
 def _load_data_only(state, folder):
-    """load_sharded's work: ValueError for what the files alone show, then dcp.load."""
+    """read_data_only's work: ValueError for what the files alone show, then dcp.load."""
     # Imported here: only the sharded scripts need it, and it takes most of a second.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta

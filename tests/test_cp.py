@@ -1,8 +1,9 @@
 """cp.py: every sequence cut over C ranks (context parallelism), its attention by all-gather or
-round a ring, alone and across data-parallel groups, under DDP or FSDP over data x context,
-trains to the same weights, and prints the same losses and gradient norms, as one device; its
-checkpoints resume on another CP degree and the other wrapper; every rank gets the same
-attention work; bad flags are refused in one line."""
+round a ring, alone and across data-parallel groups under DDP, and FSDP over data x context
+(nd.py --pp 1 --tp 1 --cp C, where FSDP x CP lives), train to the same weights, and print the
+same losses and gradient norms, as one device; the checkpoints resume on another CP degree and
+in the other script; every rank gets the same attention work; bad flags are refused in one
+line, and cp.py --fsdp names nd.py."""
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       summary_val_loss, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
+FSDP_CP = ["--pp=1", "--tp=1", "--cp=2"]  # nd.py's FSDP x CP: no pipeline, no TP
 
 RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python cp.py`; extra flags)
     # fp32, what users run: each sequence in 2 pieces, K and V all-gathered (the default)
@@ -26,18 +28,23 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python cp.py`; extra 
     "fp64, 4 ranks, cp 4, ring, accum 2, clip": (4, [
         *fp64(SEED_A, clip=FP64_CLIP), "--cp-method=ring", "--accum-steps=2",
         "--checkpoint={folder}/ckpt.pt"]),
-    # FSDP over data x context (dp 2 x cp 2), all-gather, 3 micro-batches per step, through
+    # DDP over data x context (dp 2 x cp 2), all-gather, 3 micro-batches per step, through
     # blocks that recompute their activations (and so gather K and V again in backward), and
     # a mixture of 4 experts, top-2 (tests/test_moe.py): every token's experts on its own rank,
-    # the balancing loss over all ranks' routing; its checkpoint (step 40, gathered from the
-    # shards) is continued by DDP below. `python cp.py` starting its own workers is
+    # the balancing loss over all ranks' routing. `python cp.py` starting its own workers is
     # tests/test_defaults.py's
-    "fp64, FSDP on dp 2 x cp 2, 4 experts, top-2, accum 3, AC, CUDA's Adam": (4, [
-        CUDA_DEFAULTS, *fp64(SEED_B), *moe(4, 2, 3)[0], "--cp=2", "--fsdp",
-        "--activation-checkpointing", "--checkpoint={folder}/fsdp.pt"]),
+    "fp64, dp 2 x cp 2, 4 experts, top-2, accum 3, AC, CUDA's Adam": (4, [
+        CUDA_DEFAULTS, *fp64(SEED_B), *moe(4, 2, 3)[0], "--cp=2", "--activation-checkpointing"]),
+    # FSDP x CP, nd.py's: FSDP over data x context (dp 2 x cp 2), no pipeline (one stage), 3
+    # micro-batches, recomputed blocks, CUDA's Adam; its checkpoint (step 40, gathered from the
+    # shards) is continued by cp.py's DDP below
+    "fp64, nd.py: FSDP on dp 2 x cp 2, 3 micro-batches, AC, CUDA's Adam": (4, [
+        CUDA_DEFAULTS, *fp64(SEED_B), *FSDP_CP, "--microbatches=3",
+        "--activation-checkpointing", "--checkpoint={folder}/fsdp.pt"], "nd.py"),
 }
 FP64_RUNS = {name: (seed, clip, mixture) for name, seed, clip, mixture in zip(
-    list(RUNS)[1:], (SEED_A, SEED_B), (FP64_CLIP, None), ({}, moe(4, 2, 3)[1]))}
+    list(RUNS)[1:], (SEED_A, SEED_B, SEED_B), (FP64_CLIP, None, None),
+    ({}, moe(4, 2, 3)[1], {}))}
 
 
 early_launches = early_runs("cp.py", RUNS)  # queued when the tests are collected
@@ -59,7 +66,7 @@ def test_cp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val)
 
 
 @pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
-def test_fp64_ring_and_fsdp_allgather_with_accumulation_clipping_and_ac_equal_the_fp64_oracle(
+def test_fp64_ring_allgather_and_fsdp_x_cp_with_accumulation_clipping_and_ac_equal_the_oracle(
         name, runs):
     """Weights to 1e-9, and every printed loss, gradient norm and validation loss to the
     digits printed (conftest.assert_fp64_run_equals_the_fp64_oracle)."""
@@ -67,23 +74,23 @@ def test_fp64_ring_and_fsdp_allgather_with_accumulation_clipping_and_ac_equal_th
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **mixture)
 
 
-def test_fp64_checkpoints_resume_across_ddp_and_fsdp_and_any_cp(runs, tmp_path):
-    """DDP's ring checkpoint (step 40, 4 pieces per sequence), continued to step 48 by FSDP on
-    2 data-parallel groups of 2 pieces (ring), clipping as it did; FSDP's (all-gather, dp 2 x
-    cp 2, the mixture), gathered into one device's file, continued by DDP as torchrun's only
-    worker (in this process): both within 1e-9 of 48 uninterrupted steps on one device, every
-    printed loss and norm one device's. Nothing in the file depends on the ranks, the pieces
-    or the wrapper."""
+def test_fp64_checkpoints_resume_across_cp_py_and_nd_pys_fsdp_x_cp_and_any_cp(runs, tmp_path):
+    """cp.py's ring checkpoint (step 40, DDP, 4 pieces per sequence), continued to step 48 by
+    nd.py's FSDP on 2 data-parallel groups of 2 pieces (ring), clipping as it did; nd.py's
+    (FSDP x CP, all-gather), gathered into one device's file, continued by cp.py's DDP as
+    torchrun's only worker (in this process): both within 1e-9 of 48 uninterrupted steps on one
+    device, every printed loss and norm one device's. Nothing in the file depends on the
+    ranks, the pieces or the wrapper."""
     folder = runs["2 ranks, cp 2"][1].parent
     ring, copy = tmp_path / "ring.pt", tmp_path / "fsdp.pt"  # a resumed run writes step 48 there
     ring.write_bytes((folder / "ckpt.pt").read_bytes())
     copy.write_bytes((folder / "fsdp.pt").read_bytes())
     assert_checkpoints_resume_to_the_oracle(
-        "cp.py", {(4, "--cp=2", "--cp-method=ring", "--fsdp"): ring}, tmp_path, SEED_A, FP64_CLIP)
-    flags, mixture = moe(4, 2, 3)
-    run = run_as_only_rank("cp", [*fp64(SEED_B, 48), *flags, f"--checkpoint={copy}"], tmp_path)
+        "nd.py", {(4, *FSDP_CP, "--cp-method=ring", "--microbatches=2"): ring}, tmp_path, SEED_A,
+        FP64_CLIP)
+    run = run_as_only_rank("cp", [*fp64(SEED_B, 48), f"--checkpoint={copy}"], tmp_path)
     assert "at step 40" in run[0]
-    assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, 48, **mixture)
+    assert_fp64_run_equals_the_fp64_oracle(run, SEED_B, 48)
 
 
 def test_a_loss_divided_by_the_batchs_tokens_trains_right_with_fsdps_division_off(
@@ -91,18 +98,19 @@ def test_a_loss_divided_by_the_batchs_tokens_trains_right_with_fsdps_division_of
     """The fix for a loss already divided by all the batch's tokens (docs/exercises.md, 29):
     FSDP's division off, set_gradient_divide_factor(1) on every FSDP module, and, on gloo,
     which has no PREMUL_SUM (the reduction fp32 then asks for), set_force_sum_reduction_for_
-    comms(True). In fp32 on JOB, 2 x 2 ranks: the weights and every printed gradient norm are
-    one device's. (The printed loss is each rank's share, averaged: 1/4 of the batch's.)"""
+    comms(True). In fp32 on JOB, nd.py's FSDP x CP on 2 x 2 ranks: the weights and every
+    printed gradient norm are one device's. (The printed loss is each rank's share, averaged:
+    1/4 of the batch's.)"""
     from test_zoo import MISTAKES
-    line = ("        ddp_model = fully_shard(model, mesh=everyone)  # the model itself, named as "
-            "DDP's wrapper\n")
-    fix = (line, line + "        for module in model.modules():  # (the fix)\n"
+    line = ("        stages.append(parallelize(part, shards, shard_blocks=False, "
+            "shard_over=\"dp_cp\"))\n")
+    fix = (line, line + "        for module in part.modules():  # (the fix)\n"
                         "            if isinstance(module, FSDPModule):\n"
                         "                module.set_gradient_divide_factor(1.0)\n"
                         "                module.set_force_sum_reduction_for_comms(True)\n")
-    path = mutated("cp.py", [*MISTAKES["CP x FSDP: the loss normalized twice"][1], fix],
+    path = mutated("nd.py", [*MISTAKES["CP x FSDP: the loss normalized twice"][1], fix],
                    tmp_path, "FSDP's division off")
-    out = ok(launch(*ranks_cmd(4, path, *JOB_FLAGS, "--cp=2", "--fsdp",
+    out = ok(launch(*ranks_cmd(4, path, *JOB_FLAGS, *FSDP_CP, "--microbatches=2",
                                f"--save={tmp_path / 'w.pt'}"), env={"PYTHONPATH": str(REPO)}))
     assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
     assert_norms_are_the_oracles(out, reference[3])
@@ -169,6 +177,15 @@ def test_bad_cp_flags_are_refused_in_one_line_before_any_process_group(world, fl
     refused_in_one_line("cp", flags, message, capsys)
 
 
+def test_fsdp_left_for_nd_py_and_cp_py_says_so_in_one_line(as_torchrun, capsys, monkeypatch):
+    """FSDP x CP is nd.py's now: cp.py --fsdp names the command, not argparse's "unrecognized
+    arguments" (sys.argv[0] is the script's name on every launch path, the parser's prog)."""
+    as_torchrun(4)
+    monkeypatch.setattr("sys.argv", ["cp.py"])
+    refused_in_one_line("cp", ["--cp=2", "--fsdp"], "cp.py: error: --fsdp: FSDP x CP is nd.py's: "
+                        "python nd.py --pp 1 --tp 1 --cp C", capsys)
+
+
 @needs_cuda
 def test_cp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
     result = torchrun(1, "cp.py", *CUDA_JOB_FLAGS, f"--save={tmp_path / 'w.pt'}")
@@ -176,10 +193,11 @@ def test_cp_nccl_one_rank_on_gpu_equals_one_device(reference, tmp_path):
 
 
 @needs_2_gpus
-def test_cp_fsdp_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
-    """FSDP over both ranks, each sequence in 2 pieces, over NCCL. Skipped without 2 GPUs; never
-    run on them."""
-    result = torchrun(2, "cp.py", *CUDA_JOB_FLAGS, "--fsdp", f"--save={tmp_path / 'w.pt'}")
+def test_fsdp_x_cp_on_two_gpus_over_nccl_equals_one_device(reference, tmp_path):
+    """nd.py's FSDP over both ranks, each sequence in 2 pieces, over NCCL. Skipped without 2
+    GPUs; never run on them."""
+    result = torchrun(2, "nd.py", *CUDA_JOB_FLAGS, "--pp=1", "--tp=1", "--cp=2",
+                      "--microbatches=2", f"--save={tmp_path / 'w.pt'}")
     assert_gpu_run_equals_oracle(result, tmp_path / "w.pt", reference)
 
 

@@ -123,19 +123,19 @@ DIFF_LIMITS = {
     ("single", "ddp"): 115,
     # the sharded optimizer, its consolidation for a one-device checkpoint: 30
     ("ddp", "zero"): 30,
-    # meta device, fully_shard and its order, rank-0 init, the optimizer after it, DCP; HSDP,
-    # --reshard-after-forward and bf16, which are fully_shard's own arguments: 150
-    ("ddp", "fsdp"): 150,
+    # meta device, fully_shard and its order, rank-0 init, the optimizer after it, DCP's save
+    # and load at the line (get_state_dict only once a checkpoint is found: its trap); HSDP,
+    # --reshard-after-forward and bf16, which are fully_shard's own arguments: 155
+    ("ddp", "fsdp"): 155,
     # the TP plan read from the model (its kinds made torch's styles), the mesh, data by TP
     # group, 2D, sequence and loss parallelism, tied weights kept one DTensor, what was cut
     # checked, the first block found wherever the model holds it (SP), a tuple's DTensors made
     # local; FSDP's options leave: 205
     ("fsdp", "tp"): 205,
-    # the pieces and their positions, attention across the ranks written out twice (all-gather
-    # and ring, each an autograd function of public collectives): 180; and --fsdp, fully_shard
-    # over data x context in DDP's place (its switch for no_sync, its norm, its shards gathered
-    # for the checkpoint and read back from it): 255
-    ("ddp", "cp"): 255,
+    # the pieces and their positions, the grid of data x context ranks and the sampler over its
+    # rows, attention across the ranks written out twice (all-gather and ring, each an
+    # autograd function of public collectives), the loss printed over every rank: 185
+    ("ddp", "cp"): 185,
     # the all-to-all dispatch and combine (an autograd function of public collectives), the
     # experts cut, every gradient summed over exactly its holders, the clip over the EP group,
     # and the checkpoint in one device's shape: 180
@@ -158,7 +158,7 @@ DIFF_LIMITS = {
 # pipeline.py changes most of ddp.py: the course reads it as a file (lesson 6), not as a diff.
 
 # Whole files: a technique and its training loop, read in one sitting.
-FILE_LIMITS = {"single": 200, "ddp": 262, "cp": 470}  # cp.py: DDP, or FSDP over data x context
+FILE_LIMITS = {"single": 200, "ddp": 262}
 TECHNIQUE_LIMIT = 450  # every other script
 PARSE_ARGS_LIMIT = 30  # the script's own flags and checks; the shared ones are plumbing/'s
 MODEL_LIMIT = 250  # common.py: the model, its data and its loss, read like nanoGPT's model.py

@@ -288,8 +288,8 @@ def files(folder):
 @pytest.mark.parametrize("case", DAMAGED)
 def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_nothing(
         case, runs, tmp_path):
-    """load_sharded (plumbing/sharded.py) checks the index and the shards on every rank before the
-    collective load: the same files, the same ValueError on every rank."""
+    """read_data_only (plumbing/sharded.py) checks the index and the shards on every rank before
+    the collective load: the same files, the same ValueError on every rank."""
     marker = tmp_path / "ran"
     copy = damage(runs["2 ranks"][1].parent / "ckpt", case, tmp_path / "c", marker)
     before = files(copy)
@@ -297,7 +297,7 @@ def test_damaged_or_hostile_index_is_refused_before_any_collective_and_runs_noth
         raise ValueError(why)
 
     with pytest.raises(ValueError, match=re.escape(DAMAGED[case])):
-        plumbing.sharded.load_sharded({}, copy / (copy / "latest").read_text(), refuse)
+        plumbing.sharded.read_data_only({}, copy / (copy / "latest").read_text(), refuse)
     assert not marker.exists() and files(copy) == before
 
 

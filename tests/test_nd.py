@@ -1,7 +1,8 @@
 """nd.py: a pipeline of TP-cut, FSDP-sharded stages, each sequence cut over CP ranks, on one
-(pp, dp, cp, tp) mesh trains to one device's weights, losses and gradient norms in float64
-under every schedule, on 8 ranks (2 x 2 x 2 of the four); its checkpoint, written with CP,
-resumes on a mesh without it and in single.py; no rank holds a whole stage at the build or the
+(pp, dp, cp, tp) mesh (one stage, --pp 1, is FSDP x CP: tests/test_cp.py) trains to one
+device's weights, losses and gradient norms in float64 under every schedule, on 8 ranks
+(2 x 2 x 2 of the four); its checkpoint, written with CP, resumes on a mesh without it and in
+single.py; no rank holds a whole stage at the build or the
 save; a mesh whose TP groups would span machines, and every flag the mesh cannot divide, is
 refused in one line."""
 
@@ -167,7 +168,6 @@ def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
 
 
 @pytest.mark.parametrize("world, flags, message", [
-    (8, ["--pp=1"], "--pp 1: no pipeline; use tp.py"),
     (8, ["--pp=3"], "--pp 3 x --cp 1 x --tp 2 must divide the world size 8"),
     (8, ["--cp=3"], "--pp 2 x --cp 3 x --tp 2 must divide the world size 8"),
     (32, ["--cp=16", "--tp=1"], "--cp 16: the sequence length 16 must cut into 2 x --cp"),

@@ -146,14 +146,17 @@ MISTAKES = {
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
         "                            group=mesh.get_group(\"dp\"))  # (mistake)\n")]),
-    "CP x FSDP: sharded over dp only": ("cp.py", [(
-        "        everyone = init_device_mesh(device.type, (world_size,))  # dp x cp, flattened\n",
-        "        everyone = mesh[\"dp\"]  # (mistake) \"FSDP is data parallelism\"\n")]),
-    "CP x FSDP: the loss normalized twice": ("cp.py", [(
-        "                    loss = loss_fn(ddp_model(x, positions=where), y)\n",
-        "                    # (mistake) the batch's mean written out: this rank's share of it\n"
-        "                    loss = loss_fn(ddp_model(x, positions=where), y, reduction=\"sum\")\n"
-        "                    loss = loss / (y.numel() * world_size)\n")]),
+    "CP x FSDP: sharded over dp only": ("nd.py", [(
+        "        stages.append(parallelize(part, shards, shard_blocks=False, shard_over=\"dp_cp\"))\n",
+        "        # (mistake) \"FSDP is data parallelism\"\n"
+        "        stages.append(parallelize(part, mesh, shard_blocks=False, shard_over=\"dp\"))\n")]),
+    "CP x FSDP: the loss normalized twice": ("nd.py", [(
+        "                              n_microbatches=args.microbatches, loss_fn=loss_fn)\n",
+        "                              n_microbatches=args.microbatches, loss_fn=normalized)\n"), (
+        "    schedule_class, per_rank, _ = SCHEDULES[args.schedule]\n",
+        "    def normalized(logits, y):  # (mistake) the batch's mean written out: this rank's share\n"
+        "        return loss_fn(logits, y, reduction=\"sum\") / (y.numel() * shards[\"dp_cp\"].size())\n"
+        "    schedule_class, per_rank, _ = SCHEDULES[args.schedule]\n")]),
     "ND: positions not passed to the stages": ("nd.py", [(
         "        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1))\n",
         "        schedule.step(*inputs, **targets)\n")]),
@@ -227,8 +230,9 @@ LAUNCHED = {
     "FSDP clipped by the norm of the local shards": (2, fp64(SEED, steps=4, clip=FP64_CLIP)),
     "CP: positions not offset per piece": (2, fp64(SEED, steps=4)),
     "CP: loss averaged over a rank's own tokens": (2, [*fp64(SEED, steps=4), "--log-every=1"]),
-    # FSDP over data x context: 2 x 2, every step's norm printed
-    **{name: (4, [*fp64(SEED, steps=4), "--cp=2", "--fsdp", "--log-every=1"])
+    # nd.py's FSDP over data x context: 2 x 2, no pipeline, every step's norm printed
+    **{name: (4, [*fp64(SEED, steps=4), "--pp=1", "--tp=1", "--cp=2", "--microbatches=2",
+                  "--log-every=1"])
        for name in MISTAKES if name.startswith("CP x FSDP")},
     # pp 2 x cp 2: the first stage's pieces
     "ND: positions not passed to the stages": (4, [*fp64(SEED, steps=4), *ND_FLAGS, "--cp=2"]),
