@@ -42,6 +42,7 @@ Launch
     python tp.py                              # starts its own workers: one per GPU, or 2
     torchrun --nproc_per_node=2 tp.py         # pure TP: each block cut in 2
     torchrun --nproc_per_node=4 tp.py --tp 2  # 2D: 2 TP groups of 2, FSDP across them
+    torchrun --nproc_per_node=8 tp.py --tp 2 --replicate 2 --mixed-precision bf16  # fsdp.py's
     torchrun --nproc_per_node=2 tp.py --sequence-parallel --loss-parallel  # SP, loss parallel
     torchrun --nproc_per_node=4 tp.py --tp 2 --checkpoint ckpt   # resumable on any mesh
     torchrun --nproc_per_node=2 tp.py --fp64  # float64: within 1e-9 of single.py --fp64
@@ -74,7 +75,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
@@ -95,6 +96,12 @@ from plumbing.sharded import latest_checkpoint, load_sharded, step_folder
 def parse_args(argv=None):
     parser = shared_parser(__doc__, sharded=True, ranks=True, moe=False)
     hardware = parser.groups["hardware"]
+    hardware.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                          help="false: keep the gathered weights for backward (less traffic)")
+    hardware.add_argument("--replicate", type=positive(int), default=1, metavar="R",
+                          help="HSDP: R replicas, each sharded over N/R ranks (default 1: FSDP)")
+    hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
+                          help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     hardware.add_argument("--tp", type=positive(int), default=None, help="ranks per tensor-"
                           "parallel group (default: all, pure TP); fewer: 2D, FSDP across them")
     hardware.add_argument("--sequence-parallel", action="store_true", help="also cut the "
@@ -106,7 +113,7 @@ def parse_args(argv=None):
     # torchrun's ranks, or the --nproc workers started here
     world_size, local_world, _ = launch_world(parser, args, width=args.heads, data_parallel=False)
     grid(parser, args, "--tp", world_size)  # --tp: all ranks by default; W/T groups
-    check_tp(parser, args, local_world)  # T divides what it cuts, and a machine's ranks
+    check_tp(parser, args, local_world, world_size)  # T divides what it cuts, the machines
     check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 
@@ -173,11 +180,12 @@ def evaluate(model, dataset, mesh, batch_size, device):
 
 
 def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shard_blocks=True,
-                shard_over="dp"):
+                shard_over="dp", keep=False, compute_dtype=None):
     """Cut each Block over mesh["tp"] (and the activations between them along the sequence:
     sequence_parallel; the head over the vocabulary: vocab_parallel); 2D: shard over
     mesh[shard_over], each block on its own (shard_blocks) and the rest, or the whole model as
-    one (nd.py, over "dp_cp")."""
+    one (nd.py, over "dp_cp"), with fsdp.py's options (keep: --reshard-after-forward false;
+    compute_dtype: --mixed-precision)."""
     # --- TP: cut each block's attention by heads and its MLP by inner units ---
     # ColwiseParallel cuts a weight by output features: its output, cut, is what
     # RowwiseParallel (cut by input features) takes, adding up its partial sums in one
@@ -244,10 +252,17 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
     # --- 2D: FSDP across the TP groups, after TP ---
     # TP first, then fully_shard over mesh[shard_over] cuts the pieces (1/(D*T) of a block per
     # rank); the other order fails, "Cannot distribute a DTensor with device mesh". Blocks, root.
+    # fsdp.py's options are fully_shard's arguments, as there (HSDP: a 2D shard_over).
     if mesh[shard_over].size() > 1:
+        dtype = next(model.parameters()).dtype
+        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype)
         for block in model.blocks.values() if shard_blocks else ():
-            fully_shard(block, mesh=mesh[shard_over])
-        fully_shard(model, mesh=mesh[shard_over])
+            fully_shard(block, mesh=mesh[shard_over], mp_policy=mp_policy,
+                        reshard_after_forward=not keep)
+        # The root: None, torch's default for it, keeps its weights for backward (they run last)
+        fully_shard(model, mesh=mesh[shard_over], reshard_after_forward=False if keep else None,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype,
+                                                   output_dtype=dtype))
     return model
 
 
@@ -266,7 +281,18 @@ def train(args, rank, world_size, device):
     # group is T consecutive ranks, which torchrun places on one machine.
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh, args.sequence_parallel, args.loss_parallel)
+    # --mixed-precision bf16: weights gathered and used in bf16; the gradients reduced and the
+    # output returned in `dtype` (a bf16 sum of N ranks' gradients rounds away the small ones).
+    compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
+    # --replicate R (HSDP): the D groups as R rows of D/R, each row sharded; the rows all-reduce
+    # like DDP replicas. The same ranks, named for FSDP: (replicate, shard, tp).
+    fsdp_mesh, over = (init_device_mesh(
+        device.type, (args.replicate, world_size // (args.replicate * args.tp), args.tp),
+        mesh_dim_names=("replicate", "shard", "tp")), ("replicate", "shard")) \
+        if args.replicate > 1 else (mesh, "dp")
+    keep = args.reshard_after_forward == "false"  # ZeRO-2-like: one all-gather less, more memory
+    parallelize(model, fsdp_mesh, args.sequence_parallel, args.loss_parallel, shard_over=over,
+                keep=keep, compute_dtype=compute_dtype)
     model.to_empty(device=device)  # storage for this rank's shards only (uninitialized)
     # Rank 0 builds the real model on the CPU, from --seed (one device's starting weights);
     # the call cuts it up and sends every rank its shards (too big for rank 0: init per shard).

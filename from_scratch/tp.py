@@ -79,6 +79,12 @@ from plumbing.ranks import fail, launch
 def parse_args(argv=None):
     parser = shared_parser(__doc__, sharded=True, ranks=True, moe=False)
     hardware = parser.groups["hardware"]
+    hardware.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                          help="false: keep the gathered weights for backward (less traffic)")
+    hardware.add_argument("--replicate", type=positive(int), default=1, metavar="R",
+                          help="HSDP: R replicas, each sharded over N/R ranks (default 1: FSDP)")
+    hardware.add_argument("--mixed-precision", choices=["off", "bf16"], default="off",
+                          help="bf16: compute in bf16, reduce gradients and keep weights in fp32")
     hardware.add_argument("--tp", type=positive(int), default=None, help="ranks per tensor-"
                           "parallel group (default: all, pure TP); fewer: 2D, FSDP across them")
     hardware.add_argument("--sequence-parallel", action="store_true", help="also cut the "
@@ -96,7 +102,7 @@ def parse_args(argv=None):
     for flag in ("--sequence-parallel", "--loss-parallel", "--checkpoint"):
         if getattr(args, flag[2:].replace("-", "_")):
             parser.error(f"{flag}: not written by hand; use tp.py {flag}")
-    check_tp(parser, args, local_world)  # T divides what it cuts, and a machine's ranks
+    check_tp(parser, args, local_world, world_size)  # T divides what it cuts, the machines
     check_model(parser, args)  # and the model: what would train silently wrong, refused
     return args
 

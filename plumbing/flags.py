@@ -234,10 +234,11 @@ def grid(parser, args, flag, world_size):
     return world_size // size
 
 
-def check_tp(parser, args, local_world):
+def check_tp(parser, args, local_world, world_size=None):
     """TP's groups of --tp ranks (tp.py, nd.py), refused in one line unless T divides the
     heads, the sequence (--sequence-parallel), the vocabulary (--loss-parallel) and the
-    `local_world` ranks of each machine."""
+    `local_world` ranks of each machine; and, given the `world_size`, fsdp.py's options (tp.py)
+    unless there is FSDP (2D) for them to act on, and --replicate divides its W/T groups."""
     if args.heads % args.tp:
         parser.error(f"--tp {args.tp} must divide --heads {args.heads} (each rank computes "
                      f"whole heads); use --heads {args.heads * args.tp} or another --tp")
@@ -250,6 +251,14 @@ def check_tp(parser, args, local_world):
     if local_world % args.tp:  # a TP group is T consecutive ranks, numbered machine by machine
         parser.error(f"--tp {args.tp}: {local_world} ranks per machine, so a TP group would span "
                      f"machines (all-reduces on the network); use a --tp dividing {local_world}")
+    fsdp = (getattr(args, "replicate", 1), getattr(args, "reshard_after_forward", "true"),
+            getattr(args, "mixed_precision", "off"))
+    if world_size == args.tp and fsdp != (1, "true", "off"):
+        parser.error("--replicate, --reshard-after-forward and --mixed-precision are FSDP's, and "
+                     "pure TP runs no FSDP: use a --tp below the world size (2D)")
+    if world_size and (world_size // args.tp) % fsdp[0]:
+        parser.error(f"--replicate {fsdp[0]} must divide the {world_size // args.tp} groups of "
+                     "--tp ranks (2D); use a divisor, or a smaller --tp")
 
 
 def check_batch(parser, args, groups, name):

@@ -38,8 +38,10 @@ FLAGS = {"mlp": [*fp64(1), "--hidden=32", "--blocks=3", "--device=cpu"],
 RUNS = {"single": lambda folder, *flags: python_cmd(folder / "single.py", *flags),
         "ddp": lambda folder, *flags: ranks_cmd(2, folder / "ddp.py", *flags),
         "fsdp": lambda folder, *flags: python_cmd(folder / "fsdp.py", "--nproc=2", *flags),
+        # 2D with SP, and fsdp.py's weights kept from forward to backward
         "tp": lambda folder, *flags: ranks_cmd(4, folder / "tp.py", "--tp=2",
-                                               "--sequence-parallel", *flags)}
+                                               "--sequence-parallel",
+                                               "--reshard-after-forward=false", *flags)}
 SCRIPTS = {"mlp": ["single", "ddp", "fsdp"], "gpt": ["single", "ddp", "fsdp", "tp"]}
 MODELS = {"mlp": lambda: user_model.SimpleModel(32, 3),
           "gpt": lambda: gpt_like.SimpleModel(24, 3, 4)}

@@ -40,14 +40,19 @@ SPAWN_2 = [CUDA_DEFAULTS, "--nproc=2", *fp64(SEED_B), f"--heads={HEADS}", "--acc
 RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra flags)
     # fp32, what users run: pure TP, each block cut in 3 (one head per rank), on the short job
     "3 ranks, tp 3": (3, []),
-    # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them, with sequence and loss
-    # parallelism inside each group, 2 micro-batches, and clipping (the cut layers' gradients
-    # on the 2D mesh, the rest on "dp" only); its checkpoint (step 40) is continued as TP 4
-    # with SP and loss parallelism below
-    "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam": (4, [
+    # fp64 on odd flags. 2D: 2 TP groups of 2, FSDP across them as HSDP (2 replicas of one
+    # shard: fsdp.py's --replicate), with sequence and loss parallelism inside each group, 2
+    # micro-batches, and clipping (the cut layers' gradients on the 2D mesh, the rest on "dp"
+    # only); its checkpoint (step 40) is continued as TP 4 with SP and loss parallelism below
+    "fp64, 4 ranks, 2D 2x2 as HSDP, SP, LP, accum 2, clip, CUDA's Adam": (4, [
         CUDA_DEFAULTS, *fp64(SEED_A, clip=FP64_CLIP), f"--heads={HEADS}", "--tp=2",
-        "--sequence-parallel",
+        "--replicate=2", "--sequence-parallel",
         "--loss-parallel", "--accum-steps=2", "--checkpoint={folder}/2d"]),
+    # fsdp.py's other two options in 2D: bf16 compute, the gathered weights kept from forward
+    # to backward (also in fp64, exactly: tests/test_own_model.py's GPT through tp.py)
+    "bf16, 4 ranks, 2D 2x2, reshard false": (4, [f"--heads={HEADS}", "--tp=2",
+                                                 "--mixed-precision=bf16",
+                                                 "--reshard-after-forward=false"]),
     "fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam": (None, SPAWN_2),
     # the by-hand twin, compared with the run above directly
     "by hand: fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam": (None, SPAWN_2, HAND),
@@ -55,7 +60,7 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python tp.py`; extra 
     "by hand: fp64, 3 ranks, tp 3, accum 3, clip": (3, [*fp64(SEED_A, clip=FP64_CLIP),
                                                         "--accum-steps=3"], HAND),
 }
-FP64_RUNS = dict(zip(list(RUNS)[1:], [  # name: (seed, clip, heads)
+FP64_RUNS = dict(zip([name for name in RUNS if "fp64" in name], [  # name: (seed, clip, heads)
     (SEED_A, FP64_CLIP, HEADS), (SEED_B, None, HEADS), (SEED_B, None, HEADS),
     (SEED_A, FP64_CLIP, JOB["heads"])]))
 
@@ -109,7 +114,7 @@ def test_a_clipped_2d_run_says_nothing_that_sounds_like_a_bug(runs):
     on every rank that this is "suboptimal" and "may give inconsistent results between ranks";
     plumbing.ranks.quiet_known_warnings says why it cannot here, and silences it. (Torch's own
     deprecation warnings, such as torch 2.10's DCP "TypedStorage is deprecated", are not ours.)"""
-    result, _ = runs["fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam"]
+    result, _ = runs["fp64, 4 ranks, 2D 2x2 as HSDP, SP, LP, accum 2, clip, CUDA's Adam"]
     ok(result)
     noise = [line for line in (result.stdout + result.stderr).splitlines()
              if re.search(r"suboptimal|inconsistent results|^\[rank\d+\]:W", line)]
@@ -122,9 +127,20 @@ def test_fp64_tp_sp_lp_2d_clipping_and_accumulation_equal_the_fp64_oracle(name, 
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=heads)
 
 
+def test_bf16_2d_with_the_weights_kept_for_backward_trains_to_the_fp32_loss(runs):
+    """fsdp.py's --mixed-precision and --reshard-after-forward in tp.py's 2D: bf16 compute, fp32
+    reductions and state, on 2 x 2 ranks, ends at the fp32 oracle's loss to fsdp.py's bf16
+    tolerance (1%), and trains."""
+    from reference import reference_train
+    losses = reference_train(**dict(JOB, heads=HEADS))[2]
+    printed = logged_losses(succeeded(runs["bf16, 4 ranks, 2D 2x2, reshard false"])[0])
+    assert printed[-1] < printed[0] - 0.1
+    assert printed[-1] == pytest.approx(losses[-1], rel=0.01)
+
+
 def test_fp64_checkpoint_resumes_on_another_mesh_2d_to_tp4(runs, tmp_path):
-    """The 2D run's sharded checkpoint (step 40: each block in quarters, over a 2x2 mesh, the
-    output layer in halves), continued to step 48 as TP 4 with SP and loss parallelism (each
+    """The 2D run's sharded checkpoint (step 40: HSDP, each block in halves over TP, whole on
+    each replica; the output layer in halves), continued to step 48 as TP 4 with SP and loss parallelism (each
     block and the output layer cut in 4 over a 1x4 mesh; 4 tokens of each sequence and 8 of
     each token's 32 logits per rank), clipping as it did, ends within 1e-9 of 48
     uninterrupted steps on one device."""
@@ -179,8 +195,9 @@ def test_each_rank_holds_its_share_of_the_training_state(runs):
     every = sum(p.numel() for p in model.parameters())
     expect = {  # name: (bytes per number, parameters held)
         "3 ranks, tp 3": (4, cut / 3 + every - cut),
-        "fp64, 4 ranks, 2D 2x2, SP, LP, accum 2, clip, CUDA's Adam": (
-            8, cut_lp / 4 + (every - cut_lp) / 2),
+        # HSDP: 2 replicas of one shard, so each rank holds the TP pieces whole over "dp"
+        "fp64, 4 ranks, 2D 2x2 as HSDP, SP, LP, accum 2, clip, CUDA's Adam": (
+            8, cut_lp / 2 + every - cut_lp),
         "by hand: fp64, 3 ranks, tp 3, accum 3, clip": (8, cut / 3 + every - cut)}
     for name, (size, params) in expect.items():
         assert state_mib(succeeded(runs[name])[0]) == pytest.approx(4 * size * params / 2**20,
@@ -383,6 +400,10 @@ def test_evaluation_forwards_each_padded_batch_whole_and_counts_only_real_sample
     (3, ["--hidden=48", "--heads=3", "--loss-parallel"],
      "--loss-parallel: --tp 3 must divide the vocabulary 32"),
     (4, ["--tp=2", "--batch-size=63"], "--batch-size 63 must be divisible by the 2 TP group(s)"),
+    (6, ["--tp=2", "--replicate=2", "--batch-size=60"],
+     "--replicate 2 must divide the 3 groups of --tp ranks"),
+    (2, ["--mixed-precision=bf16"], "are FSDP's, and pure TP runs no FSDP: use a --tp below"),
+    (2, ["--reshard-after-forward=false"], "are FSDP's, and pure TP runs no FSDP"),
 ])
 def test_bad_mesh_is_refused_in_one_line_before_any_process_group(world, flags, message,
                                                                    as_torchrun, capsys):
@@ -478,6 +499,7 @@ def test_by_hand_each_micro_batch_makes_two_all_reduces_per_block_each_way_and_t
     (2, ["--sequence-parallel"], "--sequence-parallel: not written by hand; use tp.py"),
     (2, ["--loss-parallel"], "--loss-parallel: not written by hand; use tp.py"),
     (2, ["--checkpoint=ckpt"], "--checkpoint: not written by hand; use tp.py"),
+    (2, ["--replicate=2"], "are FSDP's, and pure TP runs no FSDP"),  # as tp.py
     (3, ["--tp=3", "--heads=4"], "--tp 3 must divide --heads 4"),  # tp.py's checks too
     (2, ["--heads=6"], "--heads 6 must divide --hidden 64"),
 ])
