@@ -343,8 +343,7 @@ def train(args, rank, world_size, device):
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
-            last = micro == args.accum_steps - 1
-            with contextlib.nullcontext() if last else ddp_model.no_sync():
+            with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
                     loss = loss_fn(ddp_model(x, positions=where), y)

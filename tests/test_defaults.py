@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses, ok,
-                      summary_numbers, summary_val_loss, torchrun_cmd)
+from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses,
+                      marked_quick, ok, summary_numbers, summary_val_loss, torchrun_cmd)
 
 SCRIPTS = ["single", "dataparallel", "ddp", "zero", "fsdp", "tp", "amp", "pipeline", "cp", "ep",
            "nd",
@@ -39,12 +39,13 @@ LAUNCHED = {
 }
 
 
-# All of them the quick tier's (python -m pytest -q -m quick tests), with one fp64 proof of each
-# script (its own test file's QUICK)
-pytestmark = pytest.mark.quick
+# The lessons' default runs are the quick tier's (python -m pytest -q -m quick tests), with one
+# fp64 proof of each script and twin (its own test file's QUICK); the twins' default runs are
+# the whole suite's.
+QUICK = {name for name in LAUNCHED if "from_scratch" not in name}
 
 
-def early_launches(folder):  # queued when the tests are collected (conftest.py)
+def early_launches(folder, only=None):  # queued when the tests are collected (conftest.py)
     """LAUNCHED; the README's first command runs ddp.py copied into an empty folder with what
     the README says to copy beside it (common.py, plumbing/), as a learner takes it away."""
     copy = folder / "copy"
@@ -54,7 +55,8 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
     shutil.copytree(REPO / "plumbing", copy / "plumbing",
                     ignore=shutil.ignore_patterns("__pycache__"))
     readme_first = torchrun_cmd(2, copy / "ddp.py", "--device=cpu")
-    return [readme_first if name == "torchrun --nproc_per_node=2 ddp.py" else cmd
+    return [None if only is not None and name not in only else
+            readme_first if name == "torchrun --nproc_per_node=2 ddp.py" else cmd
             for name, cmd in LAUNCHED.items()], None
 
 
@@ -62,10 +64,10 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
 def default_runs():
     """{name: (stdout, stderr)} of every script's default run."""
     return {name: (ok(result), result.stderr)
-            for name, result in zip(LAUNCHED, early_results(__name__)[1])}
+            for name, result in zip(LAUNCHED, early_results(__name__)[1]) if result is not None}
 
 
-@pytest.mark.parametrize("name", LAUNCHED)
+@pytest.mark.parametrize("name", marked_quick(LAUNCHED, QUICK))
 def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     out, err = default_runs[name]
     # gloo workers that trained correctly must not abort at exit (see ddp.py's run())
@@ -81,7 +83,7 @@ def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     assert all(x > 0 for x in summary_numbers(out))  # samples/s, ms/step, peak memory
 
 
-@pytest.mark.parametrize("name", LAUNCHED)
+@pytest.mark.parametrize("name", marked_quick(LAUNCHED, QUICK))
 def test_default_run_prints_no_warning_and_no_traceback(name, default_runs):
     """A learner's first run says nothing that sounds like a bug: no Python warning (FSDP2's
     "returned a view tensor ... wrong gradients", say), no C++ one (glog's W lines), and no
@@ -92,6 +94,7 @@ def test_default_run_prints_no_warning_and_no_traceback(name, default_runs):
     assert not noise, noise
 
 
+@pytest.mark.quick
 def test_shared_flags_have_the_same_defaults_in_every_script(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     defaults = {name: vars(importlib.import_module(name).parse_args([])) for name in SCRIPTS}
@@ -113,6 +116,7 @@ def trained_numbers(log):
             for line in log.splitlines() if line.startswith(("step ", "eval "))]
 
 
+@pytest.mark.quick
 def test_the_readme_shows_what_its_first_command_prints_on_the_cpu_and_torch_it_names(
         default_runs):
     """README's output block (`torchrun --nproc_per_node=2 ddp.py`): its losses, gradient
