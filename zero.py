@@ -209,9 +209,9 @@ def train(args, rank, world_size, device):
             optimizer.consolidate_state_dict(to=0)
             if rank == 0:  # one writer: the replicas are identical; resumes on any world size
                 save_checkpoint(args, model, optimizer, step + 1)
-            # Then drop rank 0's gathered copy, every rank's moments, which would stay until the
-            # next checkpoint. ZeroRedundancyOptimizer has no public call that frees it (torch
-            # 2.10 to 2.15): its private list is the only way.
+            # The trap: rank 0 now holds every rank's moments, the memory ZeRO-1 exists to save,
+            # until the next checkpoint. No public call frees them (torch 2.10 to 2.15): its
+            # private list is the only way.
             optimizer._all_state_dicts.clear()
             # --- end ---
     profiler.stop()
@@ -248,7 +248,9 @@ def load_checkpoint(args, model, optimizer):
         refuse(unloadable(e))  # what is wrong with it, and what to do
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
-    optimizer.state.clear()  # ZeRO-1: its load_state_dict keeps a copy of them that nothing reads
+    # The same trap on resuming: load_state_dict gives this rank's Adam its share, and keeps
+    # all ranks' moments in optimizer.state too, which nothing reads. Freed, as ZeRO-1 means.
+    optimizer.state.clear()
     print0(f"resumed from {args.checkpoint} at step {state['step']}")
     return state["step"]
 

@@ -154,7 +154,7 @@ def page(found, models):
 Every script, run on models nobody here wrote, in float64, against single.py on the same model
 (`python docs/models.py`, {torch.__version__}; {len(found) + len(models)} runs of
 `{' '.join(FLAGS)}`). Each model was put in as
-[course.md](questions.md#putting-your-own-model-in) says: one line at the end of a copy of
+[questions.md](questions.md#putting-your-own-model-in) says: one line at the end of a copy of
 common.py, the adapter beside it ([tests/](../tests/): {adapters}).
 
 `=` is a run whose weights end within {TOL:.0e} of single.py's (the largest difference in

@@ -139,5 +139,5 @@ def check_cut(model, tensors):
     why = ("cuts nothing" if not any(cut) else "leaves a layer it names whole" if not all(cut)
            else "splits a tied weight in two" if len(list(model.parameters())) != tensors else None)
     if why:
-        fail(f"tp.py: error: {type(model).__name__}'s tp_plan {why}: docs/course.md#putting-"
+        fail(f"tp.py: error: {type(model).__name__}'s tp_plan {why}: docs/questions.md#putting-"
              "your-own-model-in says what to write")

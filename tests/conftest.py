@@ -171,7 +171,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs on a CUDA GPU (python -m pytest -q -rs tests "
                                        "-m gpu; docs/gpu.md)")
     config.addinivalue_line("markers", "quick: the quick tier (python -m pytest -q -m quick "
-                                       "tests): each script's default run and one fp64 proof")
+                                       "tests): each script's defaults, 20 steps in fp64, against the oracle")
     # One thread for the runs in this process, as for every launched one (OMP_NUM_THREADS=1,
     # start()): the queued launches below keep every core busy, and OpenMP's threads wait for
     # each other at every op by spinning, so two threads on a shared core stall each other:
@@ -418,18 +418,17 @@ def pytest_collection_finish(session):
         if hasattr(module, "early_launches"):
             folder = Path(tempfile.mkdtemp(prefix=f"{module.__name__}-"))
             EARLY_FOLDERS.append(folder)
-            # Only quick tests chosen (-m quick): only the runs they read (the module's QUICK)
-            quick = hasattr(module, "QUICK") and all(
-                item.get_closest_marker("quick") for item in session.items
-                if getattr(item, "module", None) is module)
-            commands, env = (module.early_launches(folder, only=module.QUICK) if quick
+            # Only quick tests chosen (-m quick): only the runs they read
+            quick = all(item.get_closest_marker("quick") for item in session.items
+                        if getattr(item, "module", None) is module)
+            commands, env = (module.early_launches(folder, quick=True) if quick
                              else module.early_launches(folder))
             EARLY[module.__name__] = folder, [
                 NOT_LAUNCHED if cmd is None else WATCHERS.submit(cmd) if callable(cmd)
                 else QUEUE.submit(run_queued, cmd, env, QUEUED_TIMEOUT) for cmd in commands]
 
 
-NOT_LAUNCHED = concurrent.futures.Future()  # an early launch left out (only): its result None
+NOT_LAUNCHED = concurrent.futures.Future()  # an early launch left out (quick): its result None
 NOT_LAUNCHED.set_result(None)
 
 
@@ -469,35 +468,26 @@ def torchrun(nproc, script, *args, **kw):
     return launch(*torchrun_cmd(nproc, script, *args), **kw)
 
 
-def run_commands(script, runs, folder, only=None):
+def run_commands(script, runs, folder):
     """The commands of `runs` ({name: (N, flags)}: N ranks (ranks_cmd), or N = None for
     `python script`) and the files they save to. Each run trains JOB with its flags ("{folder}"
     in a flag stands for `folder`) and saves its weights. A run (N, flags, other) runs the
-    script `other` instead (a by-hand twin from from_scratch/ beside its wrapper's runs).
-    `only`: the names to launch; the others' commands are None (-m quick: see QUICK)."""
+    script `other` instead (a by-hand twin from from_scratch/ beside its wrapper's runs)."""
     commands, paths = [], []
-    for i, (name, (nproc, flags, *other)) in enumerate(runs.items()):
+    for i, (nproc, flags, *other) in enumerate(runs.values()):
         script_ = other[0] if other else script
         paths.append(folder / f"{str(script_).replace('/', '-').removesuffix('.py')}-{i}.pt")
         args = [*JOB_FLAGS, *(f.format(folder=folder) for f in flags if f != CUDA_DEFAULTS),
                 f"--save={paths[-1]}"]
-        commands.append(None if only is not None and name not in only else
-                        [CUDA_DEFAULTS] * (CUDA_DEFAULTS in flags) + (
+        commands.append([CUDA_DEFAULTS] * (CUDA_DEFAULTS in flags) + (
             python_cmd(script_, *args) if nproc is None else ranks_cmd(nproc, script_, *args)))
     return commands, paths
-
-
-def marked_quick(values, chosen):
-    """A parametrize's `values`, those in `chosen` marked for the quick tier (-m quick)."""
-    return [pytest.param(*(value if isinstance(value, tuple) else (value,)),
-                         marks=pytest.mark.quick) if value in chosen else value
-            for value in values]
 
 
 def early_runs(script, runs):
     """A module's early_launches for `runs` (see run_commands); its fixture takes them with
     launched_runs."""
-    return lambda folder, only=None: (run_commands(script, runs, folder, only)[0], None)
+    return lambda folder: (run_commands(script, runs, folder)[0], None)
 
 
 def launched_runs(module_name, script, runs):

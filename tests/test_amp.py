@@ -143,7 +143,6 @@ def test_fp64_with_16_bit_autocast_is_refused_in_one_line(capsys):
                             "autocast would compute in 16 bits; use --dtype fp32", capsys)
 
 
-@pytest.mark.quick
 def test_fp64_clipped_and_accumulated_through_the_scaler_path_equals_the_fp64_oracle(tmp_path):
     """--fp64 picks autocast off (fp32's path: the disabled GradScaler, unscale_, clipping and
     the scaler's step): in float64 it is the oracle to ~1e-12, not only to fp32's 1e-6."""

@@ -13,7 +13,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       REPO, TOL, assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launch, launched_runs,
-                      load_saved, logged_losses, marked_quick, max_diff, moe, mutated, needs_2_gpus,
+                      load_saved, logged_losses, max_diff, moe, mutated, needs_2_gpus,
                       needs_cuda, ok, ranks_cmd, refused_in_one_line, run_as_only_rank, succeeded,
                       summary_val_loss, torchrun)
 
@@ -48,7 +48,6 @@ FP64_RUNS = {name: (seed, clip, mixture) for name, seed, clip, mixture in zip(
 
 
 early_launches = early_runs("cp.py", RUNS)  # queued when the tests are collected
-QUICK = {"fp64, 4 ranks, cp 4, ring, accum 2, clip"}  # the quick tier's (-m quick)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def test_cp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val)
     assert_norms_are_the_oracles(out, reference[3])
 
 
-@pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
+@pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_ring_allgather_and_fsdp_x_cp_with_accumulation_clipping_and_ac_equal_the_oracle(
         name, runs):
     """Weights to 1e-9, and every printed loss, gradient norm and validation loss to the

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import (CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      assert_norms_are_the_oracles, fp64, logged_losses, marked_quick, max_diff,
+                      assert_norms_are_the_oracles, fp64, logged_losses, max_diff,
                       needs_cuda, python, run_in_process, summary_numbers, summary_val_loss)
 
 
@@ -25,7 +25,7 @@ def test_dataparallel_on_cpu_with_accumulation_equals_one_device(reference, refe
 FP64_CASES = [(FP64_SEEDS[0], None), (FP64_SEEDS[-1], FP64_CLIP)]
 
 
-@pytest.mark.parametrize("seed, clip", marked_quick(FP64_CASES, FP64_CASES[:1]))
+@pytest.mark.parametrize("seed, clip", FP64_CASES)
 def test_fp64_dataparallel_with_accumulation_and_clipping_equals_the_fp64_oracle_on_any_seed(
         seed, clip, tmp_path):
     run = run_in_process("dataparallel", ["--device=cpu", *fp64(seed, clip=clip),

@@ -18,7 +18,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, early_results, fails_clearly,
                       fp32_reference, fp64, fp64_reference, launch, load_saved, logged_losses,
-                      logged_norms, logged_step_losses, logged_val_losses, marked_quick, max_diff,
+                      logged_norms, logged_step_losses, logged_val_losses, max_diff,
                       moe, mutated, needs_2_gpus, needs_cuda, ok, python, ranks_cmd,
                       refused_in_one_line, run_as_only_rank, run_commands, succeeded,
                       summary_val_loss, torchrun)
@@ -76,17 +76,15 @@ TWINS = {"by hand, 2 ranks": "2 ranks",
          "zero by hand, ZeRO-2, fp64, 3 ranks, accum 3, AC": "zero, fp64, 3 ranks, accum 3, AC"}
 
 
-QUICK = set(FP64_RUNS)  # the quick tier's fp64 proofs (-m quick): the runs its tests read
 
 
-def early_launches(folder, only=None):  # queued when the tests are collected
-    mistakes = [None if only is not None else
-                ranks_cmd(2, mutated(*MISTAKES[name], folder / f"m{i}", name), *JOB_FLAGS,
+def early_launches(folder):  # queued when the tests are collected
+    mistakes = [ranks_cmd(2, mutated(*MISTAKES[name], folder / f"m{i}", name), *JOB_FLAGS,
                           *flags, f"--save={folder / f'm{i}' / 'w.pt'}")
                 for i, (name, flags) in enumerate(LAUNCHED.items())]
     # PYTHONPATH: a mistake's copy lives outside the repo, and imports its common.py
-    return [*run_commands("ddp.py", RUNS, folder, only)[0],
-            *run_commands("zero.py", ZERO_RUNS, folder, only)[0], *mistakes], {
+    return [*run_commands("ddp.py", RUNS, folder)[0],
+            *run_commands("zero.py", ZERO_RUNS, folder)[0], *mistakes], {
                 "PYTHONPATH": str(REPO)}
 
 
@@ -126,7 +124,7 @@ def test_zero1_on_2_ranks_equals_one_device_and_holds_8_plus_8_over_2_bytes_per_
     assert state_mib(out) == pytest.approx(plain * 12 / 16, rel=0.05)
 
 
-@pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
+@pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_ddp_or_zero1_on_3_and_4_ranks_with_accumulation_or_clipping_equals_the_fp64_oracle(
         name, runs):
     """40 steps, four epochs, lr 0.01, two seeds: within 1e-9, and the exact validation loss

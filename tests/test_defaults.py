@@ -1,7 +1,9 @@
 """Every script, run with its defaults, trains: the loss and the validation
 loss fall. The flags they share have the same defaults everywhere, so the same flags give the
-same numbers whichever script runs them."""
+same numbers whichever script runs them. And the quick tier: every script, its defaults in
+float64 for 20 steps, trains and ends with one device's weights."""
 
+import functools
 import importlib
 import re
 import shutil
@@ -10,8 +12,13 @@ import sys
 import pytest
 import torch
 
-from conftest import (REPO, early_results, initial_val_loss, logged_losses, logged_val_losses,
-                      marked_quick, ok, summary_numbers, summary_val_loss, torchrun_cmd)
+from common import SimpleModel
+
+from conftest import (FP64_TOL, REPO, VAL_TOL, assert_norms_are_the_oracles, early_results,
+                      initial_val_loss, load_saved, logged_losses, logged_step_losses,
+                      logged_val_losses, max_diff, ok, summary_numbers, summary_val_loss,
+                      torchrun_cmd)
+from reference import reference_train, reference_val_loss
 
 SCRIPTS = ["single", "dataparallel", "ddp", "zero", "fsdp", "tp", "amp", "pipeline", "cp", "ep",
            "nd",
@@ -39,15 +46,19 @@ LAUNCHED = {
 }
 
 
-# The lessons' default runs are the quick tier's (python -m pytest -q -m quick tests), with one
-# fp64 proof of each script and twin (its own test file's QUICK); the twins' default runs are
-# the whole suite's.
-QUICK = {name for name in LAUNCHED if "from_scratch" not in name}
+# The quick tier (python -m pytest -q -m quick tests), for a learner's first minutes: each
+# script as LAUNCHED runs it, its defaults all, in float64 for 20 of its 100 steps. One launch
+# per script shows both that it trains and that it is one device's training, to 1e-9: the
+# oracle (tests/reference.py) trains the default model on the same 20 global batches. The
+# whole suite adds the fp32 runs above, all 100 steps, and each script's proofs on odd flags.
+FIRST_STEPS = ["--fp64", "--steps=20", "--eval-every=10"]
+QUICK = [f"{name} --fp64" for name in LAUNCHED]
 
 
-def early_launches(folder, only=None):  # queued when the tests are collected (conftest.py)
-    """LAUNCHED; the README's first command runs ddp.py copied into an empty folder with what
-    the README says to copy beside it (common.py, plumbing/), as a learner takes it away."""
+def early_launches(folder, quick=False):  # queued when the tests are collected (conftest.py)
+    """LAUNCHED, then each in float64 for 20 steps (QUICK; only those under -m quick). The
+    README's first command runs ddp.py copied into an empty folder with what the README says
+    to copy beside it (common.py, plumbing/), as a learner takes it away."""
     copy = folder / "copy"
     copy.mkdir()
     for name in ("ddp.py", "common.py"):
@@ -55,21 +66,26 @@ def early_launches(folder, only=None):  # queued when the tests are collected (c
     shutil.copytree(REPO / "plumbing", copy / "plumbing",
                     ignore=shutil.ignore_patterns("__pycache__"))
     readme_first = torchrun_cmd(2, copy / "ddp.py", "--device=cpu")
-    return [None if only is not None and name not in only else
-            readme_first if name == "torchrun --nproc_per_node=2 ddp.py" else cmd
-            for name, cmd in LAUNCHED.items()], None
+    commands = {name: readme_first if name == "torchrun --nproc_per_node=2 ddp.py" else cmd
+                for name, cmd in LAUNCHED.items()}
+    return [*([None] * len(LAUNCHED) if quick else commands.values()),
+            *([*cmd, *FIRST_STEPS, f"--save={folder / f'{i}.pt'}"]
+              for i, cmd in enumerate(commands.values()))], None
 
 
 @pytest.fixture(scope="module")
 def default_runs():
-    """{name: (stdout, stderr)} of every script's default run."""
-    return {name: (ok(result), result.stderr)
-            for name, result in zip(LAUNCHED, early_results(__name__)[1]) if result is not None}
+    """{name: (stdout, stderr)} of every script's default run, and of its first 20 steps in
+    float64 (named "... --fp64"), with the path it saved to."""
+    folder, results = early_results(__name__)
+    return {name: (ok(result), result.stderr, folder / f"{i % len(LAUNCHED)}.pt")
+            for i, (name, result) in enumerate(zip([*LAUNCHED, *QUICK], results))
+            if result is not None}
 
 
-@pytest.mark.parametrize("name", marked_quick(LAUNCHED, QUICK))
+@pytest.mark.parametrize("name", LAUNCHED)
 def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
-    out, err = default_runs[name]
+    out, err, _ = default_runs[name]
     # gloo workers that trained correctly must not abort at exit (see ddp.py's run())
     assert "terminate called" not in err
     losses, val_losses = logged_losses(out), logged_val_losses(out)
@@ -83,12 +99,12 @@ def test_default_run_trains_loss_and_validation_loss_fall(name, default_runs):
     assert all(x > 0 for x in summary_numbers(out))  # samples/s, ms/step, peak memory
 
 
-@pytest.mark.parametrize("name", marked_quick(LAUNCHED, QUICK))
+@pytest.mark.parametrize("name", LAUNCHED)
 def test_default_run_prints_no_warning_and_no_traceback(name, default_runs):
     """A learner's first run says nothing that sounds like a bug: no Python warning (FSDP2's
     "returned a view tensor ... wrong gradients", say), no C++ one (glog's W lines), and no
     traceback, on stdout or stderr."""
-    out, err = default_runs[name]
+    out, err, _ = default_runs[name]
     noise = [line for line in (out + err).splitlines()
              if re.search(r"Warning|Traceback|^\[?W\d{4} ", line)]
     assert not noise, noise
@@ -116,7 +132,6 @@ def trained_numbers(log):
             for line in log.splitlines() if line.startswith(("step ", "eval "))]
 
 
-@pytest.mark.quick
 def test_the_readme_shows_what_its_first_command_prints_on_the_cpu_and_torch_it_names(
         default_runs):
     """README's output block (`torchrun --nproc_per_node=2 ddp.py`): its losses, gradient
@@ -133,5 +148,41 @@ def test_the_readme_shows_what_its_first_command_prints_on_the_cpu_and_torch_it_
     if cpu not in here[0] or here[1:] != (capability, version):
         pytest.skip(f"the README's output was measured on an {cpu}, {capability}, torch "
                     f"{version}; this is {here[1]}, torch {here[2]}")
-    out, _ = default_runs["torchrun --nproc_per_node=2 ddp.py"]
+    out, _, _ = default_runs["torchrun --nproc_per_node=2 ddp.py"]
     assert trained_numbers(block) == trained_numbers(out)
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(experts, top_k):
+    """The fp64 oracle's (final weights, losses, gradient norms, validation loss) for the
+    scripts' defaults (single.py's parse_args), 20 steps: `experts`, top_k for ep.py's mixture."""
+    import single
+    d = single.parse_args(["--device=cpu"])
+    model = dict(hidden=d.hidden, blocks=d.blocks, heads=d.heads, experts=experts, top_k=top_k)
+    norms = []
+    _, weights, losses = reference_train(20, d.batch_size, d.lr, d.seed, fp64=True, norms=norms,
+                                         **model)
+    return weights, losses, norms, reference_val_loss(weights, **model), SimpleModel(**model)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", QUICK)
+def test_each_script_its_defaults_in_fp64_trains_and_equals_the_fp64_oracle(name, default_runs):
+    """20 steps at lr 3e-3 from ln(32): the loss and the validation loss fall, and the weights,
+    every logged loss and gradient norm and the validation loss are one device's; nothing
+    warns."""
+    out, err, saved = default_runs[name]
+    noise = [line for line in (out + err).splitlines()
+             if re.search(r"Warning|Traceback|^\[?W\d{4} ", line)]
+    assert not noise, noise
+    losses, val_losses = logged_losses(out), logged_val_losses(out)
+    assert losses[-1] < losses[0], losses
+    assert initial_val_loss() > val_losses[0] > val_losses[1], val_losses  # steps 10 and 20
+    mixture = (4, 2) if "ep.py" in name else (0, 1)  # ep.py's default: 4 experts, top-2
+    weights, expected_losses, norms, val_loss, model = oracle(*mixture)
+    diff = max_diff(load_saved(saved, model), weights)
+    assert diff < FP64_TOL, f"max weight difference {diff:.2e} from the fp64 oracle"
+    assert summary_val_loss(out) == pytest.approx(val_loss, abs=VAL_TOL)
+    assert_norms_are_the_oracles(out, norms, rel=1e-6)  # float64: to the digits printed
+    for step, loss in logged_step_losses(out).items():
+        assert loss == pytest.approx(expected_losses[step - 1], abs=1e-6), f"loss of step {step}"

@@ -15,7 +15,7 @@ import ep
 from common import VOCAB, SimpleModel, loss_fn
 from conftest import (CUDA_JOB_FLAGS, FP64_CLIP, FP64_JOB, FP64_SEEDS, JOB, JOB_FLAGS,
                       assert_fp64_run_equals_the_fp64_oracle, early_runs, fp64, launch,
-                      launched_runs, load_saved, logged_norms, logged_step_losses, marked_quick,
+                      launched_runs, load_saved, logged_norms, logged_step_losses,
                       moe, needs_2_gpus, needs_cuda, ok, ranks_cmd, refused_in_one_line,
                       run_as_only_rank, run_in_process, succeeded, torchrun)
 
@@ -34,7 +34,6 @@ RUNS = {name: (ranks, [*flags, *fp64(seed, clip=clip), *mixture[0],
         for name, (ranks, flags, seed, clip, mixture) in MIXTURES.items()}
 
 early_launches = early_runs("ep.py", RUNS)  # queued when the tests are collected
-QUICK = {"ep 2, 4 experts, top-2, accum 3, clip"}  # the quick tier's (-m quick)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,7 @@ def runs():
     return launched_runs(__name__, "ep.py", RUNS)
 
 
-@pytest.mark.parametrize("name", marked_quick(MIXTURES, QUICK))
+@pytest.mark.parametrize("name", MIXTURES)
 def test_fp64_expert_parallel_run_equals_the_fp64_oracle(name, runs):
     _, _, seed, clip, (_, oracle) = MIXTURES[name]
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **oracle)

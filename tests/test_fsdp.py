@@ -26,7 +26,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, early_results, fp32_reference,
                       fp64, launch_together, load_saved, logged_losses, logged_norms,
-                      logged_step_losses, logged_val_losses, marked_quick, max_diff, moe, mutated,
+                      logged_step_losses, logged_val_losses, max_diff, moe, mutated,
                       needs_2_gpus, needs_cuda, ok, ranks_cmd, refused_in_one_line,
                       run_as_only_rank, run_commands, succeeded, summary_val_loss, torchrun,
                       torchrun_cmd)
@@ -75,14 +75,13 @@ FP64_RUNS = {"fp64, 3 ranks, accum 3, AC": (SEED_A, None, {}),  # name: (seed, c
 TWINS = {HAND_3: "fp64, 3 ranks, accum 3, AC", HAND_2: HSDP}  # by hand: fsdp.py's run beside it
 
 
-QUICK = {"fp64, 3 ranks, accum 3, AC", HAND_3}  # the quick tier's (-m quick): what it reads
 
 
-def early_launches(folder, only=None):
+def early_launches(folder):
     """RUNS, and the by-hand twin's mistakes (HAND_MISTAKES, below), each a copy in
     folder/m<i>, 2 ranks, fp64, 4 steps: all queued when the tests are collected."""
-    commands, _ = run_commands("fsdp.py", RUNS, folder, only)
-    for i, (name, edits) in enumerate({} if only is not None else HAND_MISTAKES.items()):
+    commands, _ = run_commands("fsdp.py", RUNS, folder)
+    for i, (name, edits) in enumerate(HAND_MISTAKES.items()):
         path = mutated(HAND, edits, folder / f"m{i}", name)
         commands.append(ranks_cmd(2, path, *JOB_FLAGS, *fp64(SEED_A, steps=4),
                                   f"--save={folder / f'm{i}' / 'w.pt'}"))
@@ -117,7 +116,7 @@ def test_fsdp_on_2_ranks_equals_one_device_in_fp32(runs, reference_val):
     assert_norms_are_the_oracles(out, norms)  # the norm of the whole, not of a shard
 
 
-@pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
+@pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_fsdp_on_3_ranks_and_hsdp_2x2_clipped_equal_the_fp64_oracle(
         name, runs):
     """Reductions in float64 too (MixedPrecisionPolicy's reduce_dtype follows the weights):
@@ -392,7 +391,7 @@ def by_hand():
     return importlib.import_module("from_scratch.fsdp")
 
 
-@pytest.mark.parametrize("name", marked_quick(TWINS, QUICK))
+@pytest.mark.parametrize("name", TWINS)
 def test_fp64_fsdp_by_hand_equals_fsdp_py_and_the_fp64_oracle_and_prints_the_same_numbers(
         name, runs):
     """Beside fsdp.py's run of the same flags (3 ranks: 32 rows as 11, 11, 10, whose flat

@@ -19,7 +19,7 @@ from plumbing.compile import torch_older_than
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP64_CLIP, FP64_SEEDS,
                       assert_checkpoints_resume_to_the_oracle,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
-                      early_runs, fp64, launched_runs, marked_quick, needs_2_gpus,
+                      early_runs, fp64, launched_runs, needs_2_gpus,
                       refused_in_one_line, run_in_process, succeeded, torchrun)
 
 SEED_A, SEED_B = FP64_SEEDS[0], FP64_SEEDS[-1]
@@ -61,7 +61,6 @@ RUNS = {name: (8, [*(f for f in flags if f == CUDA_DEFAULTS), *fp64(seed, STEPS,
         for name, (seed, clip, flags) in SCHEDULES.items()}
 
 early_launches = early_runs("nd.py", RUNS)  # queued when the tests are collected
-QUICK = {"gpipe, pp x cp x tp, 3 micro-batches, clip"}  # the quick tier's (-m quick)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def runs():
     return launched_runs(__name__, "nd.py", RUNS)
 
 
-@pytest.mark.parametrize("name", marked_quick(SCHEDULES, QUICK))
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_fp64_every_schedule_on_a_2x2x2_mesh_equals_the_fp64_oracle(name, runs):
     seed, clip, _ = SCHEDULES[name]
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, STEPS, clip,

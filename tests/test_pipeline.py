@@ -14,7 +14,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, assert_profiled, early_results, fp64,
                       fp64_reference, load_saved, logged_losses, logged_norms, logged_step_losses,
-                      marked_quick, max_diff, mutated, needs_2_gpus, needs_cuda, ok, python,
+                      max_diff, mutated, needs_2_gpus, needs_cuda, ok, python,
                       ranks_cmd, refused_in_one_line, run_as_only_rank, run_commands,
                       run_in_process, succeeded, summary_val_loss, torchrun)
 from reference import reference_train
@@ -71,19 +71,13 @@ if not V_ON_GLOO:
     del RUNS["fp64, 2 ranks in a V, dualpipev, clip"]
 
 
-# the quick tier's (-m quick): what its tests read
-QUICK = {"fp64, 2 stages, gpipe, clip, CUDA's Adam",
-         "by hand: fp64, 2 stages, gpipe, clip, CUDA's Adam"}
-
-
-def early_launches(folder, only=None):  # queued when the tests are collected
+def early_launches(folder):  # queued when the tests are collected
     """RUNS, and the by-hand twin's mistakes (below), each a copy in folder/m<i> that finds
     common.py and plumbing/ on PYTHONPATH."""
-    mutants = [None if only is not None else
-               ranks_cmd(nproc, mutated(BY_HAND, edits, folder / f"m{i}", name), *JOB_FLAGS,
+    mutants = [ranks_cmd(nproc, mutated(BY_HAND, edits, folder / f"m{i}", name), *JOB_FLAGS,
                          *flags, f"--save={folder / f'm{i}' / 'w.pt'}")
                for i, (name, (edits, nproc, flags)) in enumerate(BY_HAND_MISTAKES.items())]
-    return [*run_commands("pipeline.py", RUNS, folder, only)[0], *mutants], {
+    return [*run_commands("pipeline.py", RUNS, folder)[0], *mutants], {
         "PYTHONPATH": str(REPO)}
 
 
@@ -137,7 +131,7 @@ def test_pipeline_equals_one_device_in_fp32(runs, reference, reference_val):
     assert_norms_are_the_oracles(out, reference[3])  # every stage's part, added up
 
 
-@pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
+@pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_every_schedule_equals_the_fp64_oracle(name, runs):
     """gpipe, 1f1b, interleaved-1f1b (3 virtual stages per rank), zero-bubble (each backward
     in two) and dualpipev (a V) on odd flags: one device's weights within 1e-9 after 40 steps,
@@ -274,7 +268,7 @@ BY_HAND_PAIRS = {"by hand: fp64, 3 stages, 1f1b, AC": "fp64, 3 stages, 1f1b, AC"
                      "fp64, 2 stages, gpipe, clip, CUDA's Adam"}
 
 
-@pytest.mark.parametrize("name", marked_quick(BY_HAND_PAIRS, QUICK))
+@pytest.mark.parametrize("name", BY_HAND_PAIRS)
 def test_by_hand_ends_where_pipeline_py_ends_and_prints_its_numbers(name, runs):
     """1F1B on 3 stages (4 blocks cut 1, 1, 2; 6 micro-batches; AC) and GPipe on 2 (3
     micro-batches, clipped by the whole gradient's norm, CUDA's Adam): within 1e-12 of

@@ -7,7 +7,7 @@ from plumbing.compile import compile_problem
 from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP64_SEEDS, JOB, TOL,
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_runs, fp64, launched_runs, load_saved,
-                      logged_losses, marked_quick, max_diff, needs_cuda, ok, python,
+                      logged_losses, max_diff, needs_cuda, ok, python,
                       run_in_process, succeeded, summary_val_loss)
 from reference import reference_train
 
@@ -37,7 +37,6 @@ RUNS = {case: (None, [*[CUDA_DEFAULTS] * (case == FP64_CASES[-1]), *fp64(case[0]
                       f"--accum-steps={case[1]}"])
         for case in FP64_CASES}
 early_launches = early_runs("single.py", RUNS)
-QUICK = {FP64_CASES[0]}  # the quick tier's fp64 proof (-m quick): the runs its tests read
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def runs():
     return launched_runs(__name__, "single.py", RUNS)
 
 
-@pytest.mark.parametrize("seed, accum, clip", marked_quick(FP64_CASES, QUICK))
+@pytest.mark.parametrize("seed, accum, clip", FP64_CASES)
 def test_fp64_with_clipping_and_with_accumulation_equals_the_fp64_oracle_on_any_seed(
         seed, accum, clip, runs):
     """40 steps over four epochs at lr 0.01, every tensor in float64: within 1e-9."""

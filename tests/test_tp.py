@@ -22,7 +22,7 @@ from conftest import (CUDA_DEFAULTS, CUDA_JOB_FLAGS, FP32_VAL_TOL, FP64_CLIP, FP
                       assert_fp64_run_equals_the_fp64_oracle, assert_gpu_run_equals_oracle,
                       assert_norms_are_the_oracles, early_results, fp64, fp64_reference, load_saved,
                       logged_losses, logged_norms, logged_step_losses, logged_val_losses,
-                      marked_quick, max_diff, mutated, needs_2_gpus, needs_cuda, ok, ranks_cmd,
+                      max_diff, mutated, needs_2_gpus, needs_cuda, ok, ranks_cmd,
                       refused_in_one_line, run_as_only_rank, run_commands, run_in_process,
                       succeeded, summary_val_loss, torchrun)
 
@@ -65,16 +65,11 @@ FP64_RUNS = dict(zip([name for name in RUNS if "fp64" in name], [  # name: (seed
     (SEED_A, FP64_CLIP, JOB["heads"])]))
 
 
-# the quick tier's (-m quick): what its tests read
-QUICK = {"fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam",
-         "by hand: fp64, spawn 2 ranks, tp 2, accum 2, AC, CUDA's Adam"}
-
-
-def early_launches(folder, only=None):
+def early_launches(folder):
     """RUNS, and the by-hand twin's mistakes (HAND_MISTAKES, below), each a copy in
     folder/m<i>: all queued when the tests are collected."""
-    commands, _ = run_commands("tp.py", RUNS, folder, only)
-    for i, (name, edits) in enumerate({} if only is not None else HAND_MISTAKES.items()):
+    commands, _ = run_commands("tp.py", RUNS, folder)
+    for i, (name, edits) in enumerate(HAND_MISTAKES.items()):
         path = mutated(HAND, edits, folder / f"m{i}", name)
         commands.append(ranks_cmd(2, path, *JOB_FLAGS, *fp64(SEED_A, steps=4),
                                   f"--heads={HEADS}", f"--save={folder / f'm{i}' / 'w.pt'}"))
@@ -121,7 +116,7 @@ def test_a_clipped_2d_run_says_nothing_that_sounds_like_a_bug(runs):
     assert not noise, noise
 
 
-@pytest.mark.parametrize("name", marked_quick(FP64_RUNS, QUICK))
+@pytest.mark.parametrize("name", FP64_RUNS)
 def test_fp64_tp_sp_lp_2d_clipping_and_accumulation_equal_the_fp64_oracle(name, runs):
     seed, clip, heads = FP64_RUNS[name]
     assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, heads=heads)
@@ -429,7 +424,6 @@ def by_hand():
     return importlib.import_module("from_scratch.tp")
 
 
-@pytest.mark.quick
 def test_fp64_tp_by_hand_equals_tp_py_and_prints_the_same_numbers(runs):
     """The twin of tp.py's spawned run, with its flags (2 ranks, 2 micro-batches, recomputed
     blocks, CUDA's Adam): the same weights (to the bit where every operation is the one
