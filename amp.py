@@ -197,7 +197,7 @@ def save_checkpoint(args, model, optimizer, scaler, step):
     function of (seed, step, global batch) only, so those three are all it needs besides the
     weights and Adam's state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scaler": scaler.state_dict(), "dtype": args.dtype,  # fp16 resumes its scale
+                 "scaler": scaler.state_dict(),  # fp16 resumes its learned scale
                  **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
 
@@ -220,9 +220,6 @@ def load_checkpoint(args, model, optimizer, scaler):
     except Exception as e:  # truncated, not a torch file, not a dict, another model size...
         refuse(unloadable(e))  # what is wrong with it, and what to do
     check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
-    if state.get("dtype") != args.dtype:  # bf16 and fp32 keep no scale for fp16 to go on
-        refuse(f"written with --dtype {state.get('dtype')}, not {args.dtype}; "
-               f"use --dtype {state.get('dtype')}")
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     scaler.load_state_dict(state["scaler"])  # the learned scale; else fp16 restarts at 65536
     print0(f"resumed from {args.checkpoint} at step {state['step']}")

@@ -163,7 +163,8 @@ def train_state(args, step):
     position is a function of --seed, the step and --batch-size only)."""
     return {"step": step, "batch_size": args.batch_size, "seed": args.seed, "fp64": args.fp64,
             "hidden": args.hidden, "blocks": args.blocks, "heads": args.heads,
-            "experts": args.experts, "top_k": args.top_k}
+            "experts": args.experts, "top_k": args.top_k,
+            **({"dtype": args.dtype} if "dtype" in args else {})}  # amp.py's autocast type
 
 
 def check_resumable(saved, args, refuse):
@@ -171,7 +172,7 @@ def check_resumable(saved, args, refuse):
     exactly: another model size (where it says) or head count, --batch-size or --seed (the
     data order would not continue), or the other precision (loading would cast the weights
     and Adam's moments silently, and the run would go on in another precision than it
-    started in)."""
+    started in), or amp.py's other --dtype."""
     if "hidden" in saved and (saved["hidden"], saved["blocks"]) != (args.hidden, args.blocks):
         refuse(f"saved with --hidden {saved['hidden']} --blocks {saved['blocks']}; "
                "use the same model size")
@@ -187,6 +188,10 @@ def check_resumable(saved, args, refuse):
         if saved.get(key) != getattr(args, key):
             refuse(f"written with {flag} {saved.get(key)}, not {getattr(args, key)}: the data "
                    f"order would not continue; use {flag} {saved.get(key)}")
+    # amp.py: bf16 and fp32 keep no loss scale for fp16 to go on with, nor fp16 one for them
+    if "dtype" in args and saved.get("dtype") != args.dtype:
+        refuse(f"written with --dtype {saved.get('dtype')}, not {args.dtype}; "
+               f"use --dtype {saved.get('dtype')}")
     if saved.get("fp64", False) != args.fp64:
         refuse("written with --fp64; add --fp64 to continue it" if saved.get("fp64")
                else "written without --fp64; drop --fp64 to continue it")
