@@ -46,13 +46,9 @@ Launch
     Smallest hardware: any laptop CPU (2 processes over gloo). On GPUs, NCCL: one GPU per rank.
 
 What is trusted
-    A checkpoint is data: fsdp.py reads a sharded checkpoint folder through load_sharded
-    (plumbing/sharded.py), which unpickles its index only into DCP's own metadata classes and
-    its values only as weights_only data, so a damaged or hostile folder is refused in one line
-    and runs nothing. (torch's own dcp.load trusts the folder: it unpickles parts of it with
-    plain pickle.) --save files are plain state_dicts: load them with torch.load(weights_only=True).
-    The rendezvous store (torchrun's --rdzv-endpoint) has no authentication: trusted networks
-    only. More in docs/traps.md#trust.
+    A checkpoint is data: the folder is read through load_sharded (plumbing/sharded.py), which
+    never runs code from it, where torch's own dcp.load would (docs/checkpoints.md). The
+    rendezvous store has no authentication: trusted networks only (docs/traps.md#trust).
 
 What changes from replicating (DDP) to sharding
     diff ddp.py fsdp.py

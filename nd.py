@@ -78,8 +78,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.buffers import fill_buffers
-from plumbing.checkpoints import check_resumable, gather_full_state, save_atomic, train_state
-from plumbing.checkpoints import named_adam, unloadable
+from plumbing.checkpoints import gather_full_state, named_adam, read_checkpoint, save_atomic
+from plumbing.checkpoints import train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
 from plumbing.flags import check_tp, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
@@ -253,7 +253,8 @@ def train(args, rank, world_size, device):
     # On "meta": shapes, no storage; every rank knows every stage's names and shapes for free.
     with torch.device("meta"):
         model = SimpleModel.from_args(args).to(dtype)
-    state = load_checkpoint(args, model) if args.checkpoint else None  # every rank reads it
+    # Every rank reads the file, one device's, checked; mmap: a rank reads only its pages
+    state = read_checkpoint(args, __file__, mmap=True) if args.checkpoint else None
     mesh, shards = make_mesh(args, world_size, device)
     dp = mesh["dp"].size()
     owner = placement(args, args.pp)  # stage i's "pp" rank: a loop, or a V (pipeline.py)
@@ -409,26 +410,6 @@ def save_checkpoint(args, weights, adam, step):
     save_atomic({"model": weights, "optimizer": adam,
                  **train_state(args, step)}, args.checkpoint)
     print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
-
-
-def load_checkpoint(args, model):
-    """Read --checkpoint if it exists, checked against the model on "meta" (return its state,
-    or None if there is none); a bad one stops with one line and is left as it was."""
-    if not os.path.exists(args.checkpoint):
-        return None
-
-    def refuse(why):
-        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
-
-    try:
-        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
-        # map_location cpu: loads on any machine; mmap: a rank reads only the pages it uses.
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True, mmap=True)
-        model.load_state_dict({k: v.to("meta") for k, v in state["model"].items()})  # shapes
-    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
-    return state
 
 
 def run(args):

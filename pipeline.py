@@ -65,14 +65,14 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
 from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, gather_full_state, optimizer_share
-from plumbing.checkpoints import save_atomic, train_state, unloadable
+from plumbing.checkpoints import gather_full_state, optimizer_share, read_checkpoint
+from plumbing.checkpoints import save_atomic, train_state
 from plumbing.compile import torch_older_than
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
 from plumbing.flags import shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import fail, launch
+from plumbing.ranks import launch
 
 # --schedule: (torch's class, its stages per rank by default, placed in a V: docs/pipeline.md)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1, False), "1f1b": (Schedule1F1B, 1, False),
@@ -404,22 +404,9 @@ def save_checkpoint(args, weights, adam, step):
 def load_checkpoint(args, model):
     """Read --checkpoint into the model if it exists (return its state, or None if there is
     none); a bad one stops with one line and is left as it was."""
-    if not os.path.exists(args.checkpoint):
-        return None
-
-    def refuse(why):
-        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
-
-    try:
-        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
-        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
-        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
-        # load_state_dict then copies the weights and the moments to their device.
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    state = read_checkpoint(args, __file__)  # torch.load(weights_only=True), checked; or None
+    if state is not None:
         model.load_state_dict(state["model"])
-    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
     return state
 
 

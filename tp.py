@@ -50,8 +50,9 @@ Launch
     and every TP group inside one machine.
 
 What is trusted
-    As fsdp.py: checkpoints are DCP folders, read as data by load_sharded (plumbing/sharded.py); the
-    rendezvous store has no authentication. docs/traps.md#trust.
+    A checkpoint is data: the folder is read through load_sharded (plumbing/sharded.py), which
+    never runs code from it, where torch's own dcp.load would (docs/checkpoints.md). The
+    rendezvous store has no authentication: trusted networks only (docs/traps.md#trust).
 
 What changes from sharding (FSDP) to cutting each layer (TP, and 2D)
     diff fsdp.py tp.py

@@ -54,11 +54,11 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
-from plumbing.checkpoints import check_resumable, save_atomic, train_state, unloadable
+from plumbing.checkpoints import read_checkpoint, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
-from plumbing.ranks import fail, launch
+from plumbing.ranks import launch
 
 
 def parse_args(argv=None):
@@ -232,21 +232,10 @@ def save_checkpoint(args, model, optimizer, step):
 def load_checkpoint(args, model, optimizer):
     """Resume from --checkpoint if it holds one: the weights, Adam's state; return the step to
     start from (0 without one). A bad one stops with one line and is left as it was."""
-    def refuse(why):
-        fail(f"{os.path.basename(__file__)}: error: --checkpoint {args.checkpoint}: {why}")
-
-    if not os.path.exists(args.checkpoint):
+    state = read_checkpoint(args, __file__)  # torch.load(weights_only=True), checked; or None
+    if state is None:
         return 0
-    try:
-        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
-        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
-        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
-        # load_state_dict then copies the weights and the moments to their device.
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
-    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
-        refuse(unloadable(e))  # what is wrong with it, and what to do
-    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64
+    model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])  # puts Adam's moments on the device
     # The same trap on resuming: load_state_dict gives this rank's Adam its share, and keeps
     # all ranks' moments in optimizer.state too, which nothing reads. Freed, as ZeRO-1 means.

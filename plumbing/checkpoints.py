@@ -1,9 +1,9 @@
 """A checkpoint's bookkeeping: saved atomically, on the CPU, with the train state that says
 whether a run can continue it; one device's file gathered from ranks that each hold a slice
 of the model (ep.py, pipeline.py, nd.py, cp.py --fsdp), and each rank's share of Adam's state
-read back from it. Every script's save_checkpoint and load_checkpoint call these; what a
-learner must see stays in the script (weights_only, map_location, the unwrap, DCP, what each
-rank holds).
+read back from it; one device's file read as data and checked before anything loads it.
+Every script's save_checkpoint and load_checkpoint call these; what a learner must see stays
+in the script (load_state_dict, the unwrap, DCP, what each rank holds).
 """
 
 import os
@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import common
+from plumbing.ranks import fail
 
 
 def to_cpu(obj):
@@ -50,6 +51,31 @@ def save_atomic(obj, path):
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def read_checkpoint(args, script, mmap=False):
+    """What --checkpoint holds, read as data (a dict: "model", "optimizer", "step", ...), or
+    None where the file does not exist yet. One that cannot be read, that holds another
+    model's weights, or that this run cannot continue (check_resumable) stops the run with one
+    line naming `script` (its __file__), and is left as it was. mmap: read pages on use."""
+    if not os.path.exists(args.checkpoint):
+        return None
+
+    def refuse(why):
+        fail(f"{os.path.basename(script)}: error: --checkpoint {args.checkpoint}: {why}")
+
+    try:
+        # weights_only: a checkpoint is data, and unpickling arbitrary objects runs code.
+        # map_location cpu: a checkpoint written on a GPU loads on any machine, and Adam's step
+        # counters stay CPU scalars (on a GPU they would cost a sync per parameter per step);
+        # load_state_dict then copies the weights and the moments to their device.
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True, mmap=mmap)
+        # Names and shapes checked against one device's model on "meta": nothing copied
+        one_device(args).load_state_dict({k: v.to("meta") for k, v in state["model"].items()})
+    except Exception as e:  # truncated, not a torch file, not a dict, another model size...
+        refuse(unloadable(e))  # what is wrong with it, and what to do
+    check_resumable(state, args, refuse)  # the same --batch-size, --seed, --fp64, --dtype
+    return state
 
 
 def unloadable(error):

@@ -98,6 +98,7 @@ def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_is_not_overwritte
     args = module.parse_args(["--device=cpu", *(["--nproc=1"] if script in ("ddp", "pipeline",
                                                                             "cp") else [])])
     ckpt = args.checkpoint = str(tmp_path / "ckpt.pt")
+    args.hidden = 32  # the run's model, as the flags describe it
     cases = [(b"garbage", "cannot be read")]
     plumbing.checkpoints.save_atomic({"model": common.SimpleModel(hidden=16).state_dict()}, ckpt)
     cases.append((open(ckpt, "rb").read(), "saved with another model size; use its --hidden"))
