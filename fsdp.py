@@ -144,8 +144,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             # A sharded forward is a collective: every rank forwards each padded batch whole,
-            # then counts its real samples only. (Cut first, a rank's last batch can be empty,
-            # which some kernels refuse, bf16's flash attention among them: its peers would wait.)
+            # then counts its real samples only (cut first, an empty one could fail on one rank).
             logits, y = model(x.to(device))[:real], y[:real].to(device)
             real -= len(y)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
@@ -200,8 +199,7 @@ def train(args, rank, world_size, device):
         one = SimpleModel.from_args(args).to(dtype)
     set_model_state_dict(model, {} if one is None else one.state_dict(),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # A state_dict leaves out the non-persistent buffers (RoPE's inv_freq): to_empty() left
-    # them uninitialized memory, silently. Rank 0's to every rank (plumbing/buffers.py).
+    # The buffers a state_dict leaves out (RoPE's), which to_empty() left garbage: rank 0's
     fill_buffers(model, one, device)
     # --- end ---
     # After sharding, never before: it makes every parameter a DTensor, and an

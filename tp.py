@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.profiler import record_function
@@ -90,6 +90,7 @@ from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_wo
 from plumbing.flags import check_tp, grid, positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_cut, check_model
+from plumbing.replicate import replicate_the_rest
 from plumbing.ranks import launch
 from plumbing.sharded import latest_checkpoint, load_sharded, step_folder
 
@@ -160,8 +161,7 @@ def evaluate(model, dataset, mesh, batch_size, device):
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             # A sharded forward is a collective: every rank forwards each padded batch whole,
-            # then counts its real samples only. (Cut first, a rank's last batch can be empty,
-            # which some kernels refuse, bf16's flash attention among them: its peers would wait.)
+            # then counts its real samples only (cut first, an empty one could fail on one rank).
             logits, y = model(x.to(device))[:real], y[:real].to(device)
             real -= len(y)
             # Sums, divided once at the end: the mean of per-batch means would overweight a
@@ -225,29 +225,10 @@ def parallelize(model, mesh, sequence_parallel=False, vocab_parallel=False, shar
             styles[kind] for name, kind in model.tp_plan.items() if styles[kind]}
     tensors = len(list(model.parameters()))  # a tied weight counts once
     parallelize_module(model, mesh["tp"], {**ends, **plan})
-    # What TP leaves whole becomes a replicated DTensor too (taking and giving plain tensors):
-    # beside DTensors a plain one stops Adam's foreach path, "got mixed torch.Tensor and DTensor".
-    def replicated(_, inputs, tp_mesh):
-        return tuple(x if isinstance(x, DTensor) else
-                     DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False) for x in inputs)
-    def local(_, output, tp_mesh):  # a tensor, or a tuple of them (a router's, say)
-        return tuple(local(_, o, tp_mesh) for o in output) if isinstance(output, tuple) else \
-            output.to_local() if isinstance(output, DTensor) else output
-    # Each parameter made a DTensor once: a weight two modules share (a head tied to the
-    # embedding), made one module at a time, would become two copies, trained apart, silently.
-    replicas = {}
-    def replicate_once(_, module, tp_mesh):
-        for key, p in list(module.named_parameters(recurse=False)):
-            if not isinstance(p, DTensor):
-                if id(p) not in replicas:  # as distribute_module's default makes it
-                    replicas[id(p)] = torch.nn.Parameter(
-                        distribute_tensor(p.data, tp_mesh, [Replicate()]), p.requires_grad)
-                module.register_parameter(key, replicas[id(p)])
-    for module in model.modules():
-        held = list(module.parameters(recurse=False))
-        if held and not isinstance(held[0], DTensor):
-            distribute_module(module, mesh["tp"], replicate_once, input_fn=replicated,
-                              output_fn=local)
+    # What TP leaves whole (norms, embeddings, head) becomes a replicated DTensor too: beside
+    # DTensors a plain tensor stops Adam's foreach path, "got mixed torch.Tensor and DTensor".
+    # Each parameter once: a head tied to its embedding stays one tensor (plumbing/replicate.py).
+    replicate_the_rest(model, mesh["tp"])
     check_cut(model, tensors)  # every layer the plan cuts is cut, no tie split: checked
     # --- end ---
     # --- 2D: FSDP across the TP groups, after TP ---
@@ -287,10 +268,11 @@ def train(args, rank, world_size, device):
     compute_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None  # None: as is
     # --replicate R (HSDP): the D groups as R rows of D/R, each row sharded; the rows all-reduce
     # like DDP replicas. The same ranks, named for FSDP: (replicate, shard, tp).
-    fsdp_mesh, over = (init_device_mesh(
-        device.type, (args.replicate, world_size // (args.replicate * args.tp), args.tp),
-        mesh_dim_names=("replicate", "shard", "tp")), ("replicate", "shard")) \
-        if args.replicate > 1 else (mesh, "dp")
+    fsdp_mesh, over = mesh, "dp"
+    if args.replicate > 1:
+        fsdp_mesh = init_device_mesh(device.type, (args.replicate, world_size // (
+            args.replicate * args.tp), args.tp), mesh_dim_names=("replicate", "shard", "tp"))
+        over = ("replicate", "shard")
     keep = args.reshard_after_forward == "false"  # ZeRO-2-like: one all-gather less, more memory
     parallelize(model, fsdp_mesh, args.sequence_parallel, args.loss_parallel, shard_over=over,
                 keep=keep, compute_dtype=compute_dtype)
@@ -303,8 +285,7 @@ def train(args, rank, world_size, device):
         one = SimpleModel.from_args(args).to(dtype)
     set_model_state_dict(model, {} if one is None else one.state_dict(),
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # A state_dict leaves out the non-persistent buffers (RoPE's inv_freq): to_empty() left
-    # them uninitialized memory, silently. Rank 0's to every rank (plumbing/buffers.py).
+    # The buffers a state_dict leaves out (RoPE's), which to_empty() left garbage: rank 0's
     fill_buffers(model, one, device)
     # --- end ---
     # After sharding, never before: it makes every parameter a DTensor, and an

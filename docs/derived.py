@@ -62,6 +62,11 @@ def fp64_lr_ratio():
     return lr / single.parse_args([]).lr
 
 
+def block_parameters():
+    """The parameter count of one of SimpleModel's blocks, at its defaults."""
+    return sum(p.numel() for p in common.SimpleModel().blocks["0"].parameters())
+
+
 def performance_model():
     """docs/performance.md's benchmark model."""
     return parameters(hidden=256, blocks=2, heads=4)
@@ -83,6 +88,7 @@ def memory_model():
 NUMBERS = {
     "parameters": lambda: f"{parameters():,}",
     "parameters-m": lambda: f"{parameters() / 1e6:.1f}",
+    "block-parameters": lambda: f"{block_parameters():,}",
     "ln-vocab": lambda: f"{math.log(common.VOCAB):.2f}",
     "loss-floor": lambda: f"{(common.PERIOD - 1) / common.SEQ_LEN * math.log(common.VOCAB):.2f}",
     "training-sequences": lambda: f"{common.DATASET_SIZE}",

@@ -134,8 +134,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             # A sharded forward is a collective: every rank forwards each padded batch whole,
-            # then counts its real samples only. (Cut first, a rank's last batch can be empty,
-            # which some kernels refuse, bf16's flash attention among them: its peers would wait.)
+            # then counts its real samples only (cut first, an empty one could fail on one rank).
             logits, y = model(x.to(device))[:real], y[:real].to(device)
             real -= len(y)
             # Sums, divided once at the end: the mean of per-batch means would overweight a

@@ -200,8 +200,9 @@ MISTAKES = {
         "    shards = init_device_mesh(device.type, (args.tp, dp * args.cp, args.pp),\n"
         "                              mesh_dim_names=(\"tp\", \"dp_cp\", \"pp\"))\n")]),
     "TP: a tied weight made a DTensor module by module": ("tp.py", [(
-        "distribute_module(module, mesh[\"tp\"], replicate_once, input_fn=replicated,",
-        "distribute_module(module, mesh[\"tp\"], input_fn=replicated,"), (
+        "plumbing/replicate.py",
+        "distribute_module(module, tp_mesh, replicate_once, input_fn=replicated,",
+        "distribute_module(module, tp_mesh, input_fn=replicated,"), (
         "plumbing/model_check.py",
         "           else \"splits a tied weight in two\" if len(list(model.parameters())) != tensors "
         "else None)\n",
@@ -287,8 +288,8 @@ def distance(weights, steps=FP64_JOB["steps"], heads=JOB["heads"], **moe):
 def test_every_mistake_replaces_lines_the_real_script_holds_exactly_once(tmp_path):
     for name in MISTAKES:
         folder = mutant(name, tmp_path / str(abs(hash(name)))).parent
-        assert any(copy.read_text() != (REPO / copy.name).read_text()
-                   for copy in folder.iterdir()), name
+        assert any(copy.read_text() != (REPO / copy.relative_to(folder)).read_text()
+                   for copy in folder.rglob("*") if copy.is_file()), name
 
 
 def test_no_set_epoch_replays_epoch_0s_order_and_misses_the_oracle(tmp_path):
@@ -401,9 +402,11 @@ def test_a_tied_weight_made_a_dtensor_module_by_module_trains_two_copies(tmp_pat
     import single
     path = mutant("TP: a tied weight made a DTensor module by module", tmp_path)
     module = imported(path)
-    # The copy imports the real plumbing/: it is handed the copied check, with the mistake
+    # The copy imports the real plumbing/: it is handed the copied files, with the mistakes
     checks = imported(path.parent / "plumbing" / "model_check.py")
     monkeypatch.setattr(module, "check_cut", checks.check_cut)
+    replicate = imported(path.parent / "plumbing" / "replicate.py")
+    monkeypatch.setattr(module, "replicate_the_rest", replicate.replicate_the_rest)
     for script in (common, single, module):  # the user's line at the end of common.py
         monkeypatch.setattr(script, "SimpleModel", TiedHead)
     flags = [*fp64(SEED, steps=4), f"--heads={HEADS}"]
