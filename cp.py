@@ -152,7 +152,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
             # often, then scores its real samples (cut first, the last could be empty).
             logits = model(x, positions=positions.to(device))[:len(y)]
             sums[0] += loss_fn(logits, y, reduction="sum")
-            sums[1] += y.numel()
+            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     # Over every rank: each holds tokens no other rank has.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)

@@ -231,7 +231,7 @@ def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, po
                 # --- end ---
             if owner[-1] == me:  # only the last stage has outputs to score
                 sums[0] += loss_fn(x[:len(y)], y, reduction="sum")
-                sums[1] += y.numel()
+                sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     # Over "dp_cp" (the pipelines' shards, each CP rank's tokens), then "pp" (to the stages
     # without the loss); the T ranks of a TP group hold the same sums.
     dist.all_reduce(sums, group=shards.get_group("dp_cp"))

@@ -242,7 +242,7 @@ def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
             sums[0] += loss_fn(x, y.to(x.device), reduction="sum")
-            sums[1] += y.numel()
+            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     if len(set(owner)) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # the last stage's sums, to every rank
     for stage_module in stages:

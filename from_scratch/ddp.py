@@ -125,7 +125,7 @@ def evaluate(model, dataset, rank, world_size, batch_size, device):
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
             sums[0] += loss_fn(logits, y, reduction="sum")
-            sums[1] += y.numel()
+            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     # --- end ---

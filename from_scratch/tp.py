@@ -147,7 +147,7 @@ def evaluate(model, dataset, batch_size, device):
             # Sums, divided once at the end: the mean of per-batch means would overweight a
             # smaller last batch.
             sums[0] += loss_fn(logits, y, reduction="sum")
-            sums[1] += y.numel()
+            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     # --- end ---
     model.train()
     return (sums[0] / sums[1]).item()
