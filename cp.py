@@ -335,19 +335,28 @@ def train(args, rank, world_size, device):
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
         loss_sum = torch.zeros((), device=device, dtype=dtype)
-        for micro in range(args.accum_steps):
-            x, y = next(micro_batches)
+        # The step's K micro-batches, drawn first: their summed losses are divided by the targets
+        # that count in all of them (cross_entropy skips -100s: a prompt's, padding), as one
+        # batch's mean is. A micro-batch's mean over K would weigh a short one like a long one.
+        batches = [next(micro_batches) for _ in range(args.accum_steps)]
+        tokens = sum((y[:, positions] != -100).sum() for _, y in batches)  # CP: of its pieces
+        # --- DDP: the global count, one all-reduce of an integer a step, before any forward ---
+        # A rank counts its share of the batch; one device divides by every rank's. DDP
+        # averages the gradients over the N ranks, so each rank's loss is multiplied by N.
+        tokens = tokens.to(device)
+        dist.all_reduce(tokens)
+        # --- end ---
+        for micro, (x, y) in enumerate(batches):
             x, y = x[:, positions].to(device), y[:, positions].to(device)  # CP: this rank's pieces
-            # Divided by K so that K micro-batch gradients add up to the mean over the
-            # whole batch, not K times it (which would act like a K times larger lr).
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
             # where DDP decides whether the coming backward syncs. The last one syncs the sum.
             with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
-                    loss = loss_fn(ddp_model(x, positions=where), y)
-                    loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
+                    loss = loss_fn(ddp_model(x, positions=where), y, reduction="sum")
+                    loss = loss * world_size / tokens
+                    loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
             # --- end ---

@@ -301,13 +301,20 @@ def train(args, rank, world_size, device):
         output_args=torch.empty(*shape, VOCAB if i == last else args.hidden, device="meta",
                                 dtype=dtype, requires_grad=True))
         for i, part in zip(held, stages)]
-    # scale_grads: the M micro-batches' mean losses add up to M times the pipeline's gradient,
-    # divided by M here (in loss_fn too: M times too small); FSDP then averages over "dp_cp",
-    # each rank's loss the mean over its own tokens (cp.py's): one device's gradient. The stage
-    # keeps FSDP from reducing until the last micro-batch, then runs its reduce, before scale_grads.
+    # A micro-batch's loss: its summed loss x M x D x C / N, N the step's count of targets that
+    # count over every pipeline and CP piece (the loop sets `tokens`). scale_grads divides the
+    # M backwards' sum by M, and FSDP averages over "dp_cp", D x C ranks: one device's
+    # gradient. The stage keeps FSDP from reducing until the last micro-batch, then runs its
+    # reduce, before scale_grads.
     schedule_class, per_rank, _ = SCHEDULES[args.schedule]
+    tokens = torch.ones((), dtype=torch.int64, device=device)  # the step's N, set in the loop
+    spread = args.microbatches * shards["dp_cp"].size()  # M x D x C
+
+    def micro_loss(output, target):
+        return loss_fn(output, target, reduction="sum") * spread / tokens
+
     schedule = schedule_class(pipe[0] if per_rank == 1 else pipe, scale_grads=True,
-                              n_microbatches=args.microbatches, loss_fn=loss_fn)
+                              n_microbatches=args.microbatches, loss_fn=micro_loss)
     is_first, is_last = 0 in held, last in held
     # After the cut, TP and FSDP. One Adam per stage (together one device's Adam): the
     # state-dict API below names one module's parameters, and each stage is a module.
@@ -345,6 +352,9 @@ def train(args, rank, world_size, device):
             batches = itertools.islice(loader, index, None)
         x, y = next(batches)
         x, y = x[:, positions], y[:, positions]  # CP: this rank's tokens of each sequence
+        # The global count: one all-reduce of an integer a step, over the pipelines and pieces
+        tokens.fill_((y != -100).sum())  # cross_entropy skips -100s (a prompt's, padding)
+        dist.all_reduce(tokens, group=shards.get_group("dp_cp"))
         # --- Pipeline parallelism: one call runs the schedule, along "pp" ---
         losses = []
         inputs = [x.to(device)] if is_first else []

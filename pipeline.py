@@ -287,16 +287,22 @@ def train(args, rank, world_size, devices):
             output_args=torch.empty(*shape, VOCAB if i == last else args.hidden,
                                     device="meta", dtype=dtype, requires_grad=True))
             for i, part in zip(held, stages)]
-        # loss_fn runs on the last stage, once per micro-batch, giving its *mean* loss: M such
-        # backwards add up to M times the batch's gradient. scale_grads=True (the default,
-        # spelled out) divides by M after the last backward: one device's gradient exactly.
-        # (Divide the loss by M yourself as well and the gradient is M times too small.)
+        # The loss runs on the last stage, once per micro-batch: its summed loss over N/M, N the
+        # step's count of targets that count (the loop sets `tokens`). scale_grads=True (the
+        # default, spelled out) divides the M backwards' sum by M after the last: one device's
+        # gradient, however the counts fall between the micro-batches. (A micro-batch's mean
+        # would weigh a short one like a long one; divided by M twice, M times too small.)
         # The zero-bubble schedules cut each backward in two, the inputs' gradient first (the
         # previous stage waits for it), the weights' later, by autograd.grad on the stage: a
         # wrapper's gradient hooks (DDP's, FSDP's) may not fire as in one backward.
         schedule_class, per_rank, _ = SCHEDULES[args.schedule]
+        tokens = torch.ones((), dtype=torch.int64)  # the step's N, set in the loop
+
+        def micro_loss(output, target):
+            return loss_fn(output, target, reduction="sum") * args.microbatches / tokens
+
         schedule = schedule_class(pipe[0] if per_rank == 1 else pipe, scale_grads=True,
-                                  n_microbatches=args.microbatches, loss_fn=loss_fn)
+                                  n_microbatches=args.microbatches, loss_fn=micro_loss)
         is_first, is_last = 0 in held, last in held  # a V puts both on rank 0
         # --- end ---
     # Each stage's optimizer sees only its own parameters; together they are one Adam.
@@ -342,11 +348,13 @@ def train(args, rank, world_size, devices):
             # --- Pipeline parallelism: one call runs the whole schedule ---
             # Micro-batches, every forward and backward in the schedule's order, sent on.
             losses = []  # (the schedule marks each micro-batch's "Forward i", "Backward i")
+            # Every rank holds the whole batch: the count is read from it, no communication.
+            tokens.fill_((y != -100).sum())  # cross_entropy skips -100s (a prompt's, padding)
             # The first stage's rank feeds the inputs, the last stage's the targets.
             inputs = [x.to(device)] if is_first else []
             targets = dict(target=y.to(device), losses=losses) if is_last else {}
             schedule.step(*inputs, **targets)
-            # Equal micro-batches: the mean of their losses is the whole batch's loss.
+            # Each is its sum x M / N: their mean is the whole batch's loss.
             loss = (torch.stack(losses).mean().detach() if is_last
                     else torch.zeros((), device=device, dtype=dtype))
             # --- end ---

@@ -317,11 +317,19 @@ def train(args, rank, world_size, device):
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
         loss_sum = torch.zeros((), device=device, dtype=dtype)
-        for micro in range(args.accum_steps):
-            x, y = next(micro_batches)
+        # The step's K micro-batches, drawn first: their summed losses are divided by the targets
+        # that count in all of them (cross_entropy skips -100s: a prompt's, padding), as one
+        # batch's mean is. A micro-batch's mean over K would weigh a short one like a long one.
+        batches = [next(micro_batches) for _ in range(args.accum_steps)]
+        tokens = sum((y != -100).sum() for _, y in batches)
+        # --- TP: the global count, one all-reduce of an integer a step, over "dp" ---
+        # A TP group's ranks hold the same samples: counted once, over the D = W/T groups. 2D's
+        # FSDP averages the gradients over the D groups, so each loss is multiplied by D.
+        tokens = tokens.to(device)
+        dist.all_reduce(tokens, group=mesh.get_group("dp"))
+        # --- end ---
+        for micro, (x, y) in enumerate(batches):
             x, y = x.to(device), y.to(device)
-            # Divided by K so that K micro-batch gradients add up to the mean over the
-            # whole batch, not K times it (which would act like a K times larger lr).
             # --- TP: accumulate gradients (TP's all-reduces, of activations, run in each) ---
             # 2D, as fsdp.py: FSDP's switch skips the reduce-scatter, keeping whole gradients
             # (their memory) until the last micro-batch reduce-scatters the sum.
@@ -331,8 +339,8 @@ def train(args, rank, world_size, device):
             # loss_parallel(): the cross-entropy of logits cut over the vocabulary, from
             # all-reduces of one number per token; backward, in pieces too, runs inside it.
             with cut_logits(), record_function("forward"):
-                loss = whole(loss_fn(model(x), y))
-                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
+                loss = whole(loss_fn(model(x), y, reduction="sum")) * dp / tokens
+                loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
             with cut_logits(), record_function("backward"):
                 loss.backward()
             # --- end ---

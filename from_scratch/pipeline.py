@@ -224,6 +224,8 @@ def pipeline_step(args, part, stage, x, y, device, dtype):
     m, first, last = args.microbatches, stage == 0, stage == args.stages - 1
     # Equal micro-batches, cut as the library cuts them
     xs, ys = x.to(device).tensor_split(m), y.to(device).tensor_split(m)
+    # N, the batch's count of targets that count (cross_entropy skips -100s): every rank holds y
+    tokens = (y != -100).sum()
     # What travels between stages, both ways: (micro-batch, sequence, hidden). The flags give
     # the shape; the library can also infer it by sending it ahead.
     shape = (args.batch_size // m, SEQ_LEN, args.hidden)
@@ -240,10 +242,12 @@ def pipeline_step(args, part, stage, x, y, device, dtype):
                 inputs[i] = received[0].requires_grad_() if received else xs[i]
                 outputs[i] = part(inputs[i])
                 if last:
-                    loss = loss_fn(outputs[i], ys[i])  # the micro-batch's mean
+                    # The micro-batch's summed loss over N/m: however the counts fall, the m
+                    # of them add up to m times the batch's mean
+                    loss = loss_fn(outputs[i], ys[i], reduction="sum") * m / tokens
                     losses.append(loss.detach())
                     # scale_grads by hand: m micro-batches' backwards add up in .grad, so
-                    # each mean is divided by m; undivided, the gradient is m times the
+                    # each is divided by m; undivided, the gradient is m times the
                     # batch's, and Adam, nearly blind to scale, hides it in the loss curve.
                     outputs[i] = loss / m
                 sends = [] if last else [(outputs[i].detach(), stage + 1)]
@@ -253,7 +257,7 @@ def pipeline_step(args, part, stage, x, y, device, dtype):
                 grad = inputs.pop(i).grad  # of the stage's input (None for token ids)
                 sends = [] if first else [(grad, stage - 1)]
     exchange(sends, [])  # the last backward's gradient (on the first stage: nothing)
-    # Equal micro-batches: the mean of their losses is the whole batch's loss.
+    # Each is its sum x m / N: their mean is the whole batch's loss.
     return torch.stack(losses).mean() if last else torch.zeros((), device=device, dtype=dtype)
 # --- end ---
 

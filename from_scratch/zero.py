@@ -213,17 +213,25 @@ def train(args, rank, world_size, device):
             # A resumed run skips the part of the epoch that was trained before the stop.
             micro_batches = itertools.islice(loader, index * args.accum_steps, None)
         loss_sum = torch.zeros((), device=device, dtype=dtype)
-        for micro in range(args.accum_steps):
-            x, y = next(micro_batches)
+        # The step's K micro-batches, drawn first: their summed losses are divided by the targets
+        # that count in all of them (cross_entropy skips -100s: a prompt's, padding), as one
+        # batch's mean is. A micro-batch's mean over K would weigh a short one like a long one.
+        batches = [next(micro_batches) for _ in range(args.accum_steps)]
+        tokens = sum((y != -100).sum() for _, y in batches)
+        # --- DDP: the global count, one all-reduce of an integer a step, before any forward ---
+        # A rank counts its share of the batch; one device divides by every rank's. DDP
+        # averages the gradients over the N ranks, so each rank's loss is multiplied by N.
+        tokens = tokens.to(device)
+        dist.all_reduce(tokens)
+        # --- end ---
+        for micro, (x, y) in enumerate(batches):
             x, y = x.to(device), y.to(device)
-            # Divided by K so that K micro-batch gradients add up to the mean over the
-            # whole batch, not K times it (which would act like a K times larger lr).
             # --- DDP: accumulate gradients without communicating ---
             # Nothing to skip: autograd adds each micro-batch into .grad, and the gradient is
             # communicated once, in the step below, as under DDP's no_sync().
             with record_function("forward"):
-                loss = loss_fn(model(x), y)
-                loss = (loss + balance(model, args, dist.group.WORLD)) / args.accum_steps
+                loss = loss_fn(model(x), y, reduction="sum") * world_size / tokens
+                loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             # --- end ---

@@ -43,12 +43,13 @@ MISTAKES = {
         "            with ddp_model.no_sync() if micro < args.accum_steps - 1 else "
         "contextlib.nullcontext():\n"
         "                with record_function(\"forward\"):\n"
-        "                    loss = loss_fn(ddp_model(x), y)\n"
-        "                    loss = (loss + balance(model, args, dist.group.WORLD)) / "
+        "                    loss = loss_fn(ddp_model(x), y, reduction=\"sum\") * world_size / "
+        "tokens\n"
+        "                    loss = loss + balance(model, args, dist.group.WORLD) / "
         "args.accum_steps\n",
         "            with record_function(\"forward\"):\n"
-        "                loss = loss_fn(ddp_model(x), y)\n"
-        "                loss = (loss + balance(model, args, dist.group.WORLD)) / "
+        "                loss = loss_fn(ddp_model(x), y, reduction=\"sum\") * world_size / tokens\n"
+        "                loss = loss + balance(model, args, dist.group.WORLD) / "
         "args.accum_steps\n"
         "            with ddp_model.no_sync() if micro < args.accum_steps - 1 else "
         "contextlib.nullcontext():\n")]),
@@ -68,8 +69,8 @@ MISTAKES = {
         "                save_checkpoint(args, model, optimizer, step + 1)",
         "                save_checkpoint(args, ddp_model, optimizer, step + 1)")]),
     "loss not divided when accumulating": ("single.py", [(
-        "                loss = (loss + balance(model, args)) / args.accum_steps",
-        "                loss = loss + balance(model, args)")]),
+        "                loss = loss_fn(model(x), y, reduction=\"sum\") / tokens\n",
+        "                loss = loss_fn(model(x), y)  # (mistake) each micro-batch's own mean\n")]),
     "TP: attention that counts its heads": ("tp.py", [(
         "common.py",
         "        self.head_width = hidden // heads\n",
@@ -138,8 +139,8 @@ MISTAKES = {
         "                g.mul_(factor)\n"), (
         "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
     "CP: positions not offset per piece": ("cp.py", [(
-        "                    loss = loss_fn(ddp_model(x, positions=where), y)\n",
-        "                    loss = loss_fn(ddp_model(x), y)\n"), (
+        "                    loss = loss_fn(ddp_model(x, positions=where), y, reduction=\"sum\")\n",
+        "                    loss = loss_fn(ddp_model(x), y, reduction=\"sum\")\n"), (
         "            logits = model(x, positions=positions.to(device))[:len(y)]\n",
         "            logits = model(x)[:len(y)]\n")]),
     "CP: loss averaged over a rank's own tokens": ("cp.py", [(
@@ -151,12 +152,9 @@ MISTAKES = {
         "        # (mistake) \"FSDP is data parallelism\"\n"
         "        stages.append(parallelize(part, mesh, shard_blocks=False, shard_over=\"dp\"))\n")]),
     "CP x FSDP: the loss normalized twice": ("nd.py", [(
-        "                              n_microbatches=args.microbatches, loss_fn=loss_fn)\n",
-        "                              n_microbatches=args.microbatches, loss_fn=normalized)\n"), (
-        "    schedule_class, per_rank, _ = SCHEDULES[args.schedule]\n",
-        "    def normalized(logits, y):  # (mistake) the batch's mean written out: this rank's share\n"
-        "        return loss_fn(logits, y, reduction=\"sum\") / (y.numel() * shards[\"dp_cp\"].size())\n"
-        "    schedule_class, per_rank, _ = SCHEDULES[args.schedule]\n")]),
+        "    spread = args.microbatches * shards[\"dp_cp\"].size()  # M x D x C\n",
+        "    spread = args.microbatches  # (mistake) the global count is the mean: D x C "
+        "left out\n")]),
     "ND: positions not passed to the stages": ("nd.py", [(
         "        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1))\n",
         "        schedule.step(*inputs, **targets)\n")]),
@@ -182,9 +180,8 @@ MISTAKES = {
     "ND: the norm clipped per stage": ("nd.py", [(
         "            dist.all_reduce(grad_norm, group=mesh.get_group(\"pp\"))\n", "")]),
     "ND: the micro-batches counted twice": ("nd.py", [(
-        "n_microbatches=args.microbatches, loss_fn=loss_fn)",
-        "n_microbatches=args.microbatches,\n"
-        "                              loss_fn=lambda out, y: loss_fn(out, y) / args.microbatches)")]),
+        "    spread = args.microbatches * shards[\"dp_cp\"].size()  # M x D x C\n",
+        "    spread = shards[\"dp_cp\"].size()  # (mistake) M left out: divided by M twice\n")]),
     "ND: a seed per rank": ("nd.py", [(
         "    if rank == 0:\n        seed_everything(args.seed)\n",
         "    if state is None:  # (mistake) every rank draws its own, from a seed of its own\n"
@@ -511,8 +508,8 @@ def test_fsdp_over_dp_only_under_cp_never_adds_a_cp_groups_parts_of_each_gradien
 
 
 def test_a_cp_loss_normalized_twice_prints_a_gradient_norm_w_times_too_small(launched):
-    """Each rank's loss is its tokens' sum over the batch's tokens, and FSDP divides by the 4
-    ranks once more: the gradient is 1/4 of one device's, and the first step's printed norm is
+    """Each rank's loss is its tokens' sum over the global count, without the factor D x C = 4
+    that FSDP's average over the 4 ranks takes back: the gradient is 1/4 of one device's, and the first step's printed norm is
     exactly 1/4 of its. Adam is nearly blind to a gradient's scale (it divides by its running
     size; only its epsilon sees it), so it steps almost as it should: the later norms stay
     within 1e-3 of 1/4 of one device's, and the weights miss by far less than 4x."""
@@ -594,7 +591,7 @@ def test_a_norm_clipped_per_stage_clips_each_stage_by_a_factor_of_its_own(launch
 
 
 def test_micro_batches_counted_twice_make_the_gradient_m_times_too_small(launched):
-    """scale_grads divides the M micro-batches' gradients by M; a loss_fn that divides by M too
+    """scale_grads divides the M micro-batches' gradients by M; a loss without its factor M
     makes the batch's gradient M times too small (and the printed loss M times too)."""
     out, weights = launched["ND: the micro-batches counted twice"]
     assert logged_losses(out)[0] == pytest.approx(fp64_reference(SEED, 4)[2][0] / 4, abs=1e-6)
