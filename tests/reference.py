@@ -11,8 +11,10 @@ docstrings say the model is:
             x + down(GELU(up(mlp_norm(x))))            (dense)
             x + sum over its k best experts e of p_e x down_e(GELU(up_e(mlp_norm(x))))
                 (a mixture: p the router's softmax, not renormalized over the k; dropless)
-    loss:   mean cross-entropy of every next token (+ --balance x the Switch/GShard
-            load-balancing loss E x sum_e f_e P_e, averaged over the blocks, with a mixture)
+    loss:   mean cross-entropy of every next token that counts, over the whole batch
+            (a target of -100 does not count: a prompt's, padding) (+ --balance x the
+            Switch/GShard load-balancing loss E x sum_e f_e P_e, averaged over the blocks,
+            with a mixture, per micro-batch)
 
 So a changed line in the model's forward (a softmax over the wrong axis, the causal mask
 dropped, the top-k renormalized) moves the model away from this oracle, and every proof
@@ -100,10 +102,23 @@ def forward(w, x, heads, experts=0, top_k=1):
     return linear(layer_norm(h, w["norm.weight"], w["norm.bias"]), w, "output"), routing
 
 
-def token_loss(logits, targets):
-    """The mean cross-entropy of every next token: -log of the softmax at the right token."""
+def token_sum(logits, targets):
+    """The summed cross-entropy of every next token that counts: -log of the softmax at the
+    right token, where the target is not -100."""
+    counts = targets != -100
     log_probs = logits.log_softmax(dim=-1)
-    return -log_probs.gather(-1, targets[..., None]).mean()
+    picked = -log_probs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return torch.where(counts, picked, torch.zeros_like(picked)).sum()
+
+
+def counted(targets):
+    """How many targets count: those that are not -100."""
+    return (targets != -100).sum()
+
+
+def token_loss(logits, targets):
+    """The mean cross-entropy of the tokens that count."""
+    return token_sum(logits, targets) / counted(targets)
 
 
 def balance_loss(routing, top_k):
@@ -125,7 +140,7 @@ def initial_weights(seed, hidden, blocks, heads, experts=0, top_k=1):
 
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
                     fp64=False, norms=None, experts=0, top_k=1, balance=0.01, accum=1,
-                    routed=None):
+                    routed=None, data=None):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (the scripts' --clip).
@@ -140,6 +155,8 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     on each of `accum` micro-batches' loss plus `balance` x its load-balancing loss (which,
     unlike the cross-entropy, depends on how the batch is cut: --accum-steps); routed: if a
     list, the tokens each expert got, (blocks, experts), over the whole run, appended at the end.
+    data: the training set, if not make_dataset()'s (a user's, with targets of -100). Every
+    step's loss is divided by the count of the whole batch's targets that count.
     """
     dtype = torch.float64 if fp64 else torch.float32
     initial = {name: t.to(dtype) for name, t in
@@ -147,7 +164,7 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     w = {name: t.clone().requires_grad_() for name, t in initial.items()}
     params = list(w.values())
     optimizer = torch.optim.Adam(params, lr=lr)
-    x, y = make_dataset().tensors  # token ids: integers in any precision
+    x, y = (make_dataset() if data is None else data).tensors  # token ids, in any precision
     steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
     losses, tokens = [], 0
     for step in range(steps):
@@ -156,22 +173,24 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
             order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
         batch = order[k * batch_size:(k + 1) * batch_size]
         optimizer.zero_grad()
+        count = counted(y[batch])  # the whole batch's, whatever the micro-batches or ranks
         if experts:
             loss = 0.0
             for micro in batch.chunk(accum):
                 logits, routing = forward(w, x[micro], heads, experts, top_k)
                 tokens = tokens + torch.stack([counts for counts, _ in routing])
-                part = (token_loss(logits, y[micro]) + balance * balance_loss(routing, top_k))
-                part = part / accum
+                part = (token_sum(logits, y[micro]) / count
+                        + balance * balance_loss(routing, top_k) / accum)
                 part.backward()
                 loss += part.detach()
         elif ranks == 1:
-            loss = token_loss(forward(w, x[batch], heads)[0], y[batch])
+            loss = token_sum(forward(w, x[batch], heads)[0], y[batch]) / count
             loss.backward()
         else:
             loss, grads = 0.0, []
             for r in range(ranks):
-                part = token_loss(forward(w, x[batch[r::ranks]], heads)[0], y[batch[r::ranks]])
+                part = (token_sum(forward(w, x[batch[r::ranks]], heads)[0], y[batch[r::ranks]])
+                        * ranks / count)
                 grads.append(torch.autograd.grad(part, params))
                 loss += part.detach() / ranks
             for p, *g in zip(params, *grads):
@@ -190,11 +209,11 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     return initial, final, losses
 
 
-def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1):
-    """The exact mean cross-entropy per token of `weights` over the whole held-out set, in
-    float64: one forward over all of it, no batches, no ranks. (hidden and blocks: the
+def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1, data=None):
+    """The exact mean cross-entropy per counted token of `weights` over the whole held-out set
+    (`data`, if not make_dataset("val")'s), in float64: one forward over all of it, no batches, no ranks. (hidden and blocks: the
     weights' own shapes say them; kept for the callers' symmetry.)"""
     w = {name: t.double() for name, t in weights.items()}
-    x, y = make_dataset("val").tensors
+    x, y = (make_dataset("val") if data is None else data).tensors
     with torch.no_grad():
         return token_loss(forward(w, x, heads, experts, top_k)[0], y).item()
