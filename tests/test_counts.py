@@ -13,7 +13,6 @@ and the validation loss over the held-out set's counted targets, to the digits p
 import shutil
 
 import pytest
-import torch
 
 import masked_data
 from conftest import (FP64_TOL, JOB, REPO, VAL_TOL, early_results, fp64, load_saved,

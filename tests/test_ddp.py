@@ -320,7 +320,7 @@ def buckets(cap_mb, element_size):
 
 def all_reduces_in_each_backward(trace):
     """Per recorded step of a Chrome trace: the all-reduces that started during each backward,
-    whether the step started any other, and whether the first started while that backward was
+    how many of the gradients' the step started in all, and whether the first started while that backward was
     still accumulating gradients (an AccumulateGrad of it starting later)."""
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
 
@@ -334,8 +334,12 @@ def all_reduces_in_each_backward(trace):
                     for b in backwards]
         last = backwards[-1]
         accumulated = within(last, lambda n: n == "torch::autograd::AccumulateGrad")
+        # The gradients' all-reduces: from the first forward on (the step's count of targets,
+        # one all-reduce of an integer, comes before it)
+        first = within(step, lambda n: n == "forward")[0]["ts"]
         steps.append(([len(a) for a in launched],
-                      len(within(step, lambda n: n in ("gloo:all_reduce", "nccl:all_reduce"))),
+                      sum(e["ts"] >= first for e in within(
+                          step, lambda n: n in ("gloo:all_reduce", "nccl:all_reduce"))),
                       bool(launched[-1]) and launched[-1][0]["ts"] < accumulated[-1]["ts"]))
     assert len(steps) == 3, steps
     return steps

@@ -302,10 +302,17 @@ def test_a_sampler_seeded_per_rank_deals_overlapping_shards_and_misses_the_oracl
 
 
 def all_reduces_per_step(trace):
+    """The gradients' all-reduces of each recorded step: from its first forward on (the step's
+    count of targets, one all-reduce of an integer, comes before it)."""
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
-    return [sum(1 for e in events if s["ts"] <= e["ts"] < s["ts"] + s["dur"]
-                and e["name"] in ("gloo:all_reduce", "nccl:all_reduce")) for s in steps]
+    counts = []
+    for s in steps:
+        inside = [e for e in events if s["ts"] <= e["ts"] < s["ts"] + s["dur"]]
+        first = min(e["ts"] for e in inside if e["name"] == "forward")
+        counts.append(sum(1 for e in inside if e["ts"] >= first
+                          and e["name"] in ("gloo:all_reduce", "nccl:all_reduce")))
+    return counts
 
 
 def test_no_sync_around_backward_only_all_reduces_every_micro_batch(tmp_path):
