@@ -8,7 +8,6 @@ what every script shares and no lesson teaches: you need not open it.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -19,6 +18,9 @@ DATASET_SIZE = 2048  # training sequences
 VAL_SIZE = 1000  # held-out sequences
 MLP_RATIO = 4  # a block's inner width, in multiples of its hidden width
 DATA_SEED = 1234  # fixed: the task is the same whatever --seed says; --seed moves init and order
+DATA = ("repeat", "padded", "prompt", "packed")  # --data: the kinds make_dataset makes
+BOS = 0  # --data packed: the token that begins each document (SimpleModel.bos)
+IGNORE = -100  # a target that does not count: cross_entropy skips it, the counts leave it out
 
 
 class Attention(nn.Module):
@@ -26,26 +28,29 @@ class Attention(nn.Module):
 
     def __init__(self, hidden, heads):
         super().__init__()
-        # A width, not a count: the heads are as many as q holds (H/T on a rank of tp.py's).
-        self.head_width = hidden // heads
+        self.head_width = hidden // heads  # not a count: heads are as many as q holds (tp.py)
         self.q = nn.Linear(hidden, hidden)
         # No bias on k: softmax ignores it, and Adam turns its rounding-noise gradient into steps.
         self.k = nn.Linear(hidden, hidden, bias=False)
         self.v = nn.Linear(hidden, hidden)
         self.o = nn.Linear(hidden, hidden)
 
-    def forward(self, x):
+    def forward(self, x, docs=None):
         batch, seq, _ = x.shape
         # (batch, seq, width) -> (batch, heads, seq, head_width): attention runs per head.
         q, k, v = (proj(x).view(batch, seq, -1, self.head_width).transpose(1, 2)
                    for proj in (self.q, self.k, self.v))
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v, docs)
         return self.o(y.transpose(1, 2).reshape(batch, seq, -1))
 
-    def attend(self, q, k, v):
-        """Each query's weighted sum of the values at or before it (cp.py's: across ranks)."""
+    def attend(self, q, k, v, docs=None):
+        """Each query's weighted sum of the values at or before it, in its document if `docs`
+        (documents()) says where each begins. cp.py's: across ranks."""
         # is_causal: token t attends to tokens 0..t only: it cannot read what it must predict.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if docs is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        same = docs[:, None, :, None] == docs[:, None, None, :]  # (batch, 1: all heads, q, k)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=same.tril())
 
 
 class Expert(nn.Module):
@@ -109,8 +114,8 @@ class Block(nn.Module):
             self.up = nn.Linear(hidden, MLP_RATIO * hidden)
             self.down = nn.Linear(MLP_RATIO * hidden, hidden)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, docs=None):
+        x = x + self.attn(self.attn_norm(x), docs=docs)  # by keyword: tp.py's hooks take x
         if self.moe is not None:
             return x + self.moe(self.mlp_norm(x))
         # GELU, as GPT-2: ReLU's kink parts correct fp32 runs' gradients near 0 (docs/drift.md).
@@ -129,8 +134,9 @@ class SimpleModel(nn.Module):
                "blocks.*.mlp_norm": "norm", "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
                "norm": "norm", "output": "head"}
 
-    def __init__(self, hidden=64, blocks=4, heads=4, experts=0, top_k=1):
+    def __init__(self, hidden=64, blocks=4, heads=4, experts=0, top_k=1, bos=None):
         super().__init__()
+        self.bos = bos  # a packed batch's documents begin at this token (None: one per sequence)
         self.embed = nn.Embedding(VOCAB, hidden)
         self.pos = nn.Embedding(SEQ_LEN, hidden)  # learned: one vector per position
         # Keyed "0", "1", ...: a pipeline stage deletes the blocks it does not own, and the rest
@@ -142,14 +148,16 @@ class SimpleModel(nn.Module):
         # and last stages (pipeline.py refuses it). Untied, every parameter lives in one place.
         self.output = nn.Linear(hidden, VOCAB)
 
-    def forward(self, x, positions=None):
+    def forward(self, x, positions=None, docs=None):
         if self.embed is not None:  # a pipeline's later stages take activations, not tokens
             # positions: where x's tokens sit in their sequences (pieces of them under cp.py)
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
-            x = self.embed(x) + self.pos(positions)
+            docs = documents(x, self.bos) if docs is None and self.bos is not None else docs
+            # Packed, each document's positions restart at 0, as if it were alone
+            x = self.embed(x) + self.pos(positions if docs is None else positions - docs)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, docs=docs)
         if self.output is not None:  # only the last stage has the head
             x = self.output(self.norm(x))
         return x
@@ -163,11 +171,11 @@ class SimpleModel(nn.Module):
         if args.experts < 0 or args.experts and args.top_k > args.experts:
             raise ValueError(f"--experts {args.experts} --top-k {args.top_k}: need 0 experts "
                              "(dense), or at least --top-k of them")
-        return cls(args.hidden, args.blocks, args.heads, args.experts, args.top_k)
+        bos = BOS if getattr(args, "data", None) == "packed" else None
+        return cls(args.hidden, args.blocks, args.heads, args.experts, args.top_k, bos)
 
     def flops_per_sample(self):
-        """Training FLOPs of one sequence as MFU counts them (nanoGPT's estimate): 6 per weight
-        per token, plus attention's 12 x width x SEQ_LEN per block; by shape, so sharded too."""
+        """Training FLOPs of a sequence as MFU counts them (nanoGPT's), by shape: sharded too."""
         dense = sum(m.in_features * m.out_features for m in self.modules()
                     if isinstance(m, nn.Linear))
         for m in self.modules():  # a token meets top_k of a mixture's experts, not all
@@ -193,55 +201,48 @@ def balance_loss(routed, top_k):
     return routed.shape[-1] * (share * mean_prob).sum(dim=-1).mean()
 
 
-def balance(model, args, group=None):
-    """--balance x the load-balancing loss of the micro-batch just forwarded (0 if dense). With
-    `group`: over its ranks, which hold one device's micro-batch between them (ddp.py...)."""
-    if not args.experts:
-        return 0.0
-    routed = model.routed() if group is None else AllReduce.apply(model.routed(), group)
-    # The tokens each expert got over the run (the summary's last line), as exact integers
-    model.tokens_per_expert = (routed[:, 0].detach().to(torch.int64)
-                               + getattr(model, "tokens_per_expert", 0))
-    return args.balance * balance_loss(routed, args.top_k)
-
-
-class AllReduce(torch.autograd.Function):
-    """A sum over `group`'s ranks that autograd goes through: its gradient is the sum of the
-    ranks' gradients (an all-reduce too), so DDP's average is one device's gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def loss_fn(logits, targets, reduction="mean"):
     """Cross-entropy per token; "sum" adds up across batches and ranks (evaluation's sums)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
 
 
-def make_dataset(split="train"):
+def documents(x, bos):
+    """Where each token's document begins: the index of the last `bos` at or before it (0
+    before the first), shape (batch, sequence). Tokens in one document share it."""
+    index = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    return torch.where(x == bos, index, 0).cummax(dim=-1).values
+
+
+def make_dataset(split="train", kind="repeat"):
     """Sequences only attention can learn, the same every time (its own generator): PERIOD
     random tokens, then the same again, inputs tokens 0..15 and targets 1..16. The first
     PERIOD - 1 targets are random, so the held-out loss falls from ln(32) = 3.47 only towards
-    (PERIOD - 1) / SEQ_LEN x ln(VOCAB) = 1.52, as far as attention learns to look back.
-    "val": VAL_SIZE others (3, 6 and 7 ranks make DistributedSampler pad them)."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    (PERIOD - 1) / SEQ_LEN x ln(VOCAB) = 1.52, as far as attention learns to look back. "val":
+    VAL_SIZE others. kind, --data (docs/counts.md): "padded", each its own length, then padding;
+    "prompt", a first part that does not count; "packed", 2 or 3 documents each begun by BOS."""
+    if split not in ("train", "val") or kind not in DATA:
+        raise ValueError(f"make_dataset({split!r}, {kind!r}): 'train' or 'val', and one of {DATA}")
     g = torch.Generator().manual_seed(DATA_SEED)
     first = torch.randint(VOCAB, (DATASET_SIZE, PERIOD), generator=g)
     if split == "val":
         first = torch.randint(VOCAB, (VAL_SIZE, PERIOD), generator=g)
     tokens = first.repeat(1, 3)[:, :SEQ_LEN + 1]
-    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    # The layouts draw after the tokens: those stay --data repeat's
+    cut = torch.randint(2, SEQ_LEN - 1, (len(tokens), 2), generator=g).sort(dim=1).values
+    where, ignore = torch.arange(SEQ_LEN + 1), torch.zeros_like(tokens, dtype=torch.bool)
+    if kind == "padded":  # inputs 0..cut+1 real, the last with no target; then padding (any id)
+        tokens, ignore = tokens.masked_fill(where > cut[:, 1:] + 1, BOS), where > cut[:, 1:]
+    if kind == "prompt":
+        ignore = where < cut[:, :1]
+    if kind == "packed":  # documents begin at 0, cut[0] and, in odd rows, cut[1]
+        cut[::2, 1] = cut[::2, 0]
+        begins = torch.zeros_like(ignore).scatter_(1, F.pad(cut, (1, 0)), True)
+        start = documents(begins.long(), 1)  # where each token's document begins
+        repeat = start + 1 + (where - start - 1).clamp(min=0) % 3  # BOS, a b c a b c a...
+        tokens = tokens.masked_fill(tokens == BOS, 1).gather(1, repeat)
+        tokens, ignore = tokens.masked_fill(begins, BOS), begins.roll(-1, dims=1)
+    return torch.utils.data.TensorDataset(tokens[:, :-1],
+                                          tokens[:, 1:].masked_fill(ignore[:, :-1], IGNORE))
 
 
 def seed_everything(seed):

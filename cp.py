@@ -79,7 +79,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SEQ_LEN, SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from common import BOS, SEQ_LEN, SimpleModel, documents, loss_fn, make_dataset, seed_everything
+from plumbing.balance import balance
 from plumbing.checkpoints import read_checkpoint, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import grid, positive
@@ -134,7 +135,7 @@ def setup(args):
     return rank, world_size, device
 
 
-def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
+def evaluate(model, dataset, rank, world_size, batch_size, device, positions, packed):
     """The mean cross-entropy per token over the whole held-out set."""
     model.eval()  # SimpleModel has no dropout or BatchNorm, but the model you copy this to may
     # --- CP: evaluate a shard on each CP group (rank: its "dp" rank), then add the sums up ---
@@ -146,11 +147,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions):
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
+            docs = documents(x, BOS)[:, positions].to(device) if packed else None
             x, y = x[:, positions].to(device), y[:real, positions].to(device)  # its tokens
             real -= len(y)
             # A CP forward is a collective: every rank forwards the padded batch whole, as
             # often, then scores its real samples (cut first, the last could be empty).
-            logits = model(x, positions=positions.to(device))[:len(y)]
+            logits = model(x, positions=positions.to(device), docs=docs)[:len(y)]
             sums[0] += loss_fn(logits, y, reduction="sum")
             sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
@@ -194,12 +196,16 @@ class AllGather(torch.autograd.Function):
         return mine, None
 
 
-def attend_allgather(q, k, v, group, positions, all_positions):
-    """Causal attention of this rank's queries over every rank's keys and values."""
+def attend_allgather(q, k, v, docs, group, positions, all_positions):
+    """Causal attention of this rank's queries over every rank's keys and values (packed: in
+    the query's document, `docs` saying where each of this rank's tokens' begins)."""
     kv = AllGather.apply(torch.stack([k, v]), group)  # one collective for both
     # Causal by position, not by index: `is_causal` would compare this rank's 4th query with
     # the 4th key of the gathered sequence, which is not the token before it.
     may_see = all_positions <= positions[:, None]  # (this rank's tokens, all tokens)
+    if docs is not None:  # and by document: every rank's docs too, a small all-gather
+        all_docs = AllGather.apply(docs[..., None], group)[..., 0]  # (batch, all tokens)
+        may_see = may_see & (docs[:, None, :, None] == all_docs[:, None, None, :])
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=may_see)
 
 
@@ -227,16 +233,18 @@ def pass_on(x, group, step):
     return received
 
 
-def block_attention(q, k, v, causal):
-    """Attention of q over one block of keys: its output and each query's log-sum-exp of its
-    scores (for merge() to weigh it against the other blocks). In float32 at least, as
-    PyTorch's own merges: a bf16 log-sum-exp rounds by up to 1/64, an error in every output."""
+def block_attention(q, k, v, hidden):
+    """Attention of q over one block of keys, but those `hidden` (a mask, or None): its output
+    and each query's log-sum-exp of its scores (for merge() to weigh it against the other
+    blocks). In float32 at least, as PyTorch's own merges: a bf16 log-sum-exp rounds by up to
+    1/64, an error in every output."""
     wide = torch.promote_types(q.dtype, torch.float32)
     q, k, v = q.to(wide), k.to(wide), v.to(wide)
     scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    if causal:  # the query chunk itself: token t sees the chunk's tokens up to t
-        later = torch.ones_like(scores, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(later, float("-inf"))
+    if hidden is not None:
+        # Not -inf: packed, a query may see no key of a block (another document's), and
+        # exp(-inf - -inf) is NaN. This lse is then ~ -3e38: merge() weighs the block by 0.
+        scores = scores.masked_fill(hidden, torch.finfo(wide).min)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.exp(scores - lse) @ v, lse
 
@@ -247,20 +255,33 @@ def merge(parts):
     return sum(out * torch.exp(part_lse - lse) for out, part_lse in parts)
 
 
-def attend_ring(q, k, v, group):
-    """Causal attention of this rank's queries over every rank's keys and values, by ring."""
+def attend_ring(q, k, v, docs, group):
+    """Causal attention of this rank's queries over every rank's keys and values, by ring
+    (packed: in the query's document, `docs` saying where each of this rank's tokens' begins)."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
     queries = q.chunk(2, dim=-2)  # this rank's two chunks
     parts = ([], [])  # per query chunk: (output, log-sum-exp) over each key chunk it sees
     kv = torch.stack([k, v])  # one message for both
+    if docs is not None:  # every rank's, in rank order (a small all-gather), by chunk
+        every = AllGather.apply(docs[..., None], group)[..., 0].chunk(2 * cp, dim=-1)
     for hop in range(cp):
         source = (me - hop) % cp  # whose tokens kv holds: this rank's own, then each other's
-        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):
-            for key_value, k_chunk in zip(kv.chunk(2, dim=-2), chunks_of(source, cp)):
+        for i, (query, q_chunk, part) in enumerate(zip(queries, chunks_of(me, cp), parts)):
+            for j, (key_value, k_chunk) in enumerate(zip(kv.chunk(2, dim=-2),
+                                                         chunks_of(source, cp))):
                 # A key chunk after the query chunk is masked whole: skip its work. (Half the
                 # chunk pairs; the load balance gives every rank the same number of them.)
-                if k_chunk <= q_chunk:
-                    part.append(block_attention(query, *key_value, causal=k_chunk == q_chunk))
+                if k_chunk > q_chunk:
+                    continue
+                # The query chunk itself: token t sees the chunk's tokens up to t
+                n = query.shape[-2]
+                later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+                hidden = later if k_chunk == q_chunk else None
+                if docs is not None:  # and only its own document's
+                    mine, theirs = every[2 * me + i], every[2 * source + j]
+                    other = mine[:, None, :, None] != theirs[:, None, None, :]
+                    hidden = other if hidden is None else hidden | other
+                part.append(block_attention(query, *key_value, hidden))
         if hop < cp - 1:
             # Every rank passes its block on at every hop, whatever it skipped: a rank that
             # skipped the exchange would leave the ring's sends unmatched (a hang to --timeout).
@@ -311,7 +332,7 @@ def train(args, rank, world_size, device):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # --- DDP: shard the data ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.
@@ -347,6 +368,8 @@ def train(args, rank, world_size, device):
         dist.all_reduce(tokens)
         # --- end ---
         for micro, (x, y) in enumerate(batches):
+            # Packed: where each token's document begins, read from the whole sequence
+            packed = documents(x, BOS)[:, positions].to(device) if args.data == "packed" else None
             x, y = x[:, positions].to(device), y[:, positions].to(device)  # CP: this rank's pieces
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
@@ -354,7 +377,7 @@ def train(args, rank, world_size, device):
             with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
-                    loss = loss_fn(ddp_model(x, positions=where), y, reduction="sum")
+                    loss = loss_fn(ddp_model(x, positions=where, docs=packed), y, reduction="sum")
                     loss = loss * world_size / tokens
                     loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
                 with record_function("backward"):
@@ -380,7 +403,8 @@ def train(args, rank, world_size, device):
                         samples_per_s))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
-                val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size, device, positions)
+                val_loss = evaluate(model, val_set, dp_rank, dp, args.batch_size, device, positions,
+                                    args.data == "packed")
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             if rank == 0:  # one writer: the replicas are identical; resumes on any world size

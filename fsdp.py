@@ -75,7 +75,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.balance import balance
 from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
@@ -207,7 +208,7 @@ def train(args, rank, world_size, device):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # --- FSDP: shard the data, as DDP does ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.

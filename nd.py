@@ -332,7 +332,7 @@ def train(args, rank, world_size, device):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # Every rank of a pipeline (pp x cp x tp) walks the same batches: dealt over "dp" only (over
     # dp x cp, a CP group would cut different samples); each CP rank keeps its tokens of them.
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=mesh.get_local_rank("dp"),

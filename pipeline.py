@@ -315,7 +315,7 @@ def train(args, rank, world_size, devices):
         start_step = state["step"]
         print0(f"resumed from {args.checkpoint} at step {start_step}")
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # Every rank walks through the same global batches (the first stage needs the inputs, the
     # last the targets), in single.py's order: the permutation drawn from seed + epoch.
     generator = torch.Generator()

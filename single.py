@@ -37,7 +37,8 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.balance import balance
 from plumbing.checkpoints import read_checkpoint, save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
@@ -93,7 +94,7 @@ def train(args, device):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # Each epoch's order is the permutation drawn from seed + epoch: the same one
     # DistributedSampler draws in ddp.py, so every script trains on the same batches.
     generator = torch.Generator()

@@ -83,7 +83,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.balance import balance
 from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
@@ -294,7 +295,7 @@ def train(args, rank, world_size, device):
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
     cut_logits = loss_parallel if args.loss_parallel else contextlib.nullcontext
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # --- TP: shard the data by TP group, not by rank ---
     # A TP group's ranks compute slices of the same samples (fed by rank, the all-reduces
     # would add up slices of different ones): the batch is dealt over the D = W/T groups.

@@ -59,7 +59,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 # common.py and plumbing/ are one folder up, in the collection's root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.balance import balance
 from plumbing.checkpoints import read_checkpoint, save_atomic, train_state
 from plumbing.flags import (check_shared_flags, compile_and_checkpoint, launch_world, positive,
                             shared_parser)
@@ -215,7 +216,7 @@ def train(args, rank, world_size, device):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = load_checkpoint(args, model, optimizer) if args.checkpoint else 0
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # --- DDP: shard the data ---
     # Each epoch one permutation from seed + epoch, the same on every rank, of which rank r
     # takes positions r, r+N, ...: the N ranks' B/N samples are one device's batch of B.

@@ -67,7 +67,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 # common.py and plumbing/ are one folder up, in the collection's root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import SimpleModel, balance, loss_fn, make_dataset, seed_everything
+from common import SimpleModel, loss_fn, make_dataset, seed_everything
+from plumbing.balance import balance
 from plumbing.checkpoints import save_atomic
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
 from plumbing.flags import check_tp, grid, positive
@@ -278,7 +279,7 @@ def train(args, rank, world_size, device):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start_step = 0  # --checkpoint: tp.py
 
-    dataset, val_set = make_dataset("train"), make_dataset("val")
+    dataset, val_set = make_dataset("train", args.data), make_dataset("val", args.data)
     # --- TP: shard the data by TP group, not by rank ---
     # A TP group's ranks compute slices of the same samples (fed by rank, the all-reduces
     # would add up slices of different ones): the batch is dealt over the D = W/T groups.

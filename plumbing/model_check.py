@@ -31,6 +31,10 @@ def check_model(parser, args, ranks=None, cut=None):
     except ValueError as e:  # the model's own checks of its flags (--heads, --experts...)
         parser.error(str(e))
     name = type(model).__name__
+    if getattr(args, "data", None) == "packed" and getattr(model, "bos", None) is None:
+        parser.error(f"--data packed: {name} has no `bos` (the token that begins a document, "
+                     "which SimpleModel's forward reads to keep documents apart), so its "
+                     "attention would cross them; give it one, or use --data padded or prompt")
     samples = len(common.make_dataset("train"))  # the dataset's size: the data's, not a constant
     if args.batch_size > samples:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset ({samples} "

@@ -186,7 +186,7 @@ def probe(parser, args, name, split, cut):
             try:
                 plain = model(x, positions=torch.arange(x.shape[1]))
                 for a in attns:
-                    a.attend = lambda q, k, v, f=a.attend: 2 * f(q, k, v)
+                    a.attend = lambda q, k, v, *docs, f=a.attend: 2 * f(q, k, v, *docs)
                 moved = gap(model(x, positions=torch.arange(x.shape[1])), plain) > 0
             except TypeError as e:
                 parser.error(f"cp.py calls model(x, positions=...), and {name}'s forward "

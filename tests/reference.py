@@ -49,15 +49,17 @@ def gelu(x):
     return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
 
 
-def attention(x, w, prefix, heads):
+def attention(x, w, prefix, heads, doc):
     """Causal multi-head self-attention: each head's query at position t weighs the values of
-    positions 0..t by the softmax of its scaled dot products with their keys."""
+    positions 0..t of its own document (`doc`: each token's document number) by the softmax of
+    its scaled dot products with their keys."""
     batch, seq, width = x.shape
     q, k, v = (linear(x, w, f"{prefix}.{name}").reshape(batch, seq, heads, width // heads)
                .permute(0, 2, 1, 3) for name in ("q", "k", "v"))  # (batch, heads, seq, d)
     scores = q @ k.transpose(-1, -2) / math.sqrt(width // heads)  # (batch, heads, seq, seq)
     future = torch.ones(seq, seq, dtype=torch.bool).triu(1)  # key after query: masked
-    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)  # over keys
+    other = doc[:, None, :, None] != doc[:, None, None, :]  # another document's key: masked
+    weights = torch.softmax(scores.masked_fill(future | other, float("-inf")), dim=-1)
     y = (weights @ v).permute(0, 2, 1, 3).reshape(batch, seq, width)
     return linear(y, w, f"{prefix}.o")
 
@@ -82,16 +84,22 @@ def mixture(x, w, prefix, experts, top_k):
     return out.reshape(x.shape), (chosen.sum(0), probs.sum(0))
 
 
-def forward(w, x, heads, experts=0, top_k=1):
+def forward(w, x, heads, experts=0, top_k=1, bos=None):
     """Logits (batch, seq, vocabulary) of the weights `w` (a state_dict's names) for tokens x,
-    and per block the routing statistics of a mixture (else an empty list)."""
+    and per block the routing statistics of a mixture (else an empty list). bos: packed
+    documents, each begun by this token: a token's position counts from its document's start,
+    and it attends within its document only."""
     blocks = len({name.split(".")[1] for name in w if name.startswith("blocks.")})
-    h = w["embed.weight"][x] + w["pos.weight"][torch.arange(x.shape[1])]
+    doc = torch.zeros_like(x) if bos is None else (x == bos).cumsum(dim=1)
+    position = torch.zeros_like(x)
+    for t in range(1, x.shape[1]):  # one more than the token before, 0 at a document's start
+        position[:, t] = torch.where(doc[:, t] == doc[:, t - 1], position[:, t - 1] + 1, 0)
+    h = w["embed.weight"][x] + w["pos.weight"][position]
     routing = []
     for i in range(blocks):
         b = f"blocks.{i}"
         h = h + attention(layer_norm(h, w[f"{b}.attn_norm.weight"], w[f"{b}.attn_norm.bias"]),
-                          w, f"{b}.attn", heads)
+                          w, f"{b}.attn", heads, doc)
         normed = layer_norm(h, w[f"{b}.mlp_norm.weight"], w[f"{b}.mlp_norm.bias"])
         if experts:
             out, stats = mixture(normed, w, f"{b}.moe", experts, top_k)
@@ -140,7 +148,7 @@ def initial_weights(seed, hidden, blocks, heads, experts=0, top_k=1):
 
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
                     fp64=False, norms=None, experts=0, top_k=1, balance=0.01, accum=1,
-                    routed=None, data=None):
+                    routed=None, data=None, bos=None):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (the scripts' --clip).
@@ -156,7 +164,8 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     unlike the cross-entropy, depends on how the batch is cut: --accum-steps); routed: if a
     list, the tokens each expert got, (blocks, experts), over the whole run, appended at the end.
     data: the training set, if not make_dataset()'s (a user's, with targets of -100). Every
-    step's loss is divided by the count of the whole batch's targets that count.
+    step's loss is divided by the count of the whole batch's targets that count. bos: the
+    data is packed documents, each begun by this token (forward()).
     """
     dtype = torch.float64 if fp64 else torch.float32
     initial = {name: t.to(dtype) for name, t in
@@ -177,19 +186,19 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
         if experts:
             loss = 0.0
             for micro in batch.chunk(accum):
-                logits, routing = forward(w, x[micro], heads, experts, top_k)
+                logits, routing = forward(w, x[micro], heads, experts, top_k, bos)
                 tokens = tokens + torch.stack([counts for counts, _ in routing])
                 part = (token_sum(logits, y[micro]) / count
                         + balance * balance_loss(routing, top_k) / accum)
                 part.backward()
                 loss += part.detach()
         elif ranks == 1:
-            loss = token_sum(forward(w, x[batch], heads)[0], y[batch]) / count
+            loss = token_sum(forward(w, x[batch], heads, bos=bos)[0], y[batch]) / count
             loss.backward()
         else:
             loss, grads = 0.0, []
             for r in range(ranks):
-                part = (token_sum(forward(w, x[batch[r::ranks]], heads)[0], y[batch[r::ranks]])
+                part = (token_sum(forward(w, x[batch[r::ranks]], heads, bos=bos)[0], y[batch[r::ranks]])
                         * ranks / count)
                 grads.append(torch.autograd.grad(part, params))
                 loss += part.detach() / ranks
@@ -209,11 +218,13 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     return initial, final, losses
 
 
-def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1, data=None):
+def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1, data=None,
+                       bos=None):
     """The exact mean cross-entropy per counted token of `weights` over the whole held-out set
-    (`data`, if not make_dataset("val")'s), in float64: one forward over all of it, no batches, no ranks. (hidden and blocks: the
-    weights' own shapes say them; kept for the callers' symmetry.)"""
+    (`data`, if not make_dataset("val")'s; bos: packed, as forward()), in float64: one forward
+    over all of it, no batches, no ranks. (hidden and blocks: the weights' own shapes say
+    them; kept for the callers' symmetry.)"""
     w = {name: t.double() for name, t in weights.items()}
     x, y = (make_dataset("val") if data is None else data).tensors
     with torch.no_grad():
-        return token_loss(forward(w, x, heads, experts, top_k)[0], y).item()
+        return token_loss(forward(w, x, heads, experts, top_k, bos)[0], y).item()

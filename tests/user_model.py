@@ -45,7 +45,7 @@ class SimpleModel(nn.Module):
         return self.output(x)
 
 
-def make_dataset(split="train"):
+def make_dataset(split="train", kind="repeat"):
     """y = a fixed random two-layer network of x, plus noise: float32, as data usually is."""
     g = torch.Generator().manual_seed(1234)
     w1 = torch.randn(IN_FEATURES, 64, generator=g) / IN_FEATURES**0.5
