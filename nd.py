@@ -76,7 +76,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
+from common import (BOS, SEQ_LEN, VOCAB, SimpleModel, documents, loss_fn, make_dataset,
+                    seed_everything)
 from plumbing.buffers import fill_buffers
 from plumbing.checkpoints import gather_full_state, named_adam, read_checkpoint, save_atomic
 from plumbing.checkpoints import train_state
@@ -85,7 +86,7 @@ from plumbing.flags import check_tp, shared_parser
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch
-from pipeline import SCHEDULES, check_stages, cut, placement  # the pipeline's pieces
+from pipeline import SCHEDULES, check_stages, cut, on, placement  # the pipeline's pieces
 from tp import parallelize  # TP's plan, then fully_shard over "dp_cp": tp.py's 2D, per stage
 from cp import cut_sequences, token_positions  # attention across the CP group (cp.py)
 
@@ -197,7 +198,8 @@ def make_mesh(args, world_size, device):
     return mesh, shards
 
 
-def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, positions):
+def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, positions,
+             packed):
     """The mean cross-entropy per token over the whole held-out set, the same on every rank:
     each pipeline ("dp") on its shard, forward only, stage by stage (pipeline.py's way); each
     rank of a CP group on its `positions` of every sequence."""
@@ -215,6 +217,7 @@ def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, po
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             # Forwarded whole, then cut (the last could be empty); CP: this rank's tokens
+            docs = documents(x.to(device), BOS)[:, positions] if packed else None  # from them whole
             x, y = x.to(device)[:, positions], y[:real].to(device)[:, positions]
             real -= len(y)
             mine = iter(stages)
@@ -224,7 +227,7 @@ def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, po
                 if i > 0 and owner[i - 1] != me:  # (batch, sequence, hidden) from before
                     x = torch.empty(*x.shape[:2], hidden, device=device, dtype=dtype)
                     dist.recv(x, src=dist.get_global_rank(pp, owner[i - 1]), group=pp)
-                x = stage_module(x, positions=positions)  # (only the first stage's reads it)
+                x = stage_module(x, positions=positions, **on(device, docs))  # (stage 0 reads them)
                 if i + 1 < len(owner) and owner[i + 1] != me:
                     dist.send(x.contiguous(), dst=dist.get_global_rank(pp, owner[i + 1]),
                               group=pp)
@@ -351,6 +354,8 @@ def train(args, rank, world_size, device):
             # A resumed run skips the part of the epoch that was trained before the stop.
             batches = itertools.islice(loader, index, None)
         x, y = next(batches)
+        # Packed: where each token's document begins, read from the whole sequence
+        docs = documents(x, BOS)[:, positions] if args.data == "packed" else None
         x, y = x[:, positions], y[:, positions]  # CP: this rank's tokens of each sequence
         # The global count: one all-reduce of an integer a step, over the pipelines and pieces
         tokens.fill_((y != -100).sum())  # cross_entropy skips -100s (a prompt's, padding)
@@ -361,7 +366,7 @@ def train(args, rank, world_size, device):
         targets = dict(target=y.to(device), losses=losses) if is_last else {}
         # CP: where each token sits in its sequence, a keyword cut into micro-batches with x;
         # left out, the first stage would embed every piece at positions 0..S/C-1, silently.
-        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1))
+        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1), **on(device, docs))
         loss = (torch.stack(losses).mean().detach() if is_last
                 else torch.zeros((), device=device, dtype=dtype))
         # --- end ---
@@ -391,7 +396,7 @@ def train(args, rank, world_size, device):
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(stages, owner, mesh, shards, val_set, args.batch_size // dp,
-                                    args.hidden, dtype, where)
+                                    args.hidden, dtype, where, args.data == "packed")
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Rank 0 gathers single.py's file: it resumes on any mesh, or in single.py.

@@ -64,7 +64,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, RandomSampler
 
-from common import SEQ_LEN, VOCAB, SimpleModel, loss_fn, make_dataset, seed_everything
+from common import (BOS, SEQ_LEN, VOCAB, SimpleModel, documents, loss_fn, make_dataset,
+                    seed_everything)
 from plumbing.checkpoints import gather_full_state, optimizer_share, read_checkpoint
 from plumbing.checkpoints import save_atomic, train_state
 from plumbing.compile import torch_older_than
@@ -215,7 +216,7 @@ def placement(args, world_size):
     return [i % world_size for i in range(args.stages)]
 
 
-def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
+def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype, packed):
     """The mean cross-entropy per token over the whole held-out set, the same on every rank
     (a collective: forward only, stage by stage). `owner[i]`: the rank of stage i."""
     for stage_module in stages:
@@ -224,6 +225,8 @@ def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
     sums = torch.zeros(2, dtype=torch.float64, device=devices[-1])  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
+            # Packed: every stage's blocks keep the documents apart; read from the tokens
+            docs = documents(x, BOS) if packed else None
             mine = iter(zip(stages, devices * len(stages)))  # this rank's, in order
             for i in (i for i, r in enumerate(owner) if r == rank):
                 stage_module, device = next(mine)
@@ -233,7 +236,7 @@ def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
                 if i > 0 and owner[i - 1] != rank:  # (batch, sequence, hidden) from before
                     x = torch.empty(*x.shape[:2], hidden, device=device, dtype=dtype)
                     dist.recv(x, src=owner[i - 1])
-                x = stage_module(x.to(device))
+                x = stage_module(x.to(device), **on(device, docs))
                 if i + 1 < len(owner) and owner[i + 1] != rank:
                     dist.send(x, dst=owner[i + 1])
                 # --- end ---
@@ -333,12 +336,14 @@ def train(args, rank, world_size, devices):
             # A resumed run skips the part of the epoch that was trained before the stop.
             batches = itertools.islice(loader, index, None)
         x, y = next(batches)
+        # Packed: where each token's document begins, for every stage's attention
+        docs = documents(x, BOS) if args.data == "packed" else None
         if world_size == 1:
             # --- Model parallelism: hand the activations from device to device ---
             # While one stage computes, the others wait: nothing overlaps.
             with record_function("forward"):
                 for stage_module, device in zip(stages, devices):
-                    x = stage_module(x.to(device))
+                    x = stage_module(x.to(device), **on(device, docs))
                 loss = loss_fn(x, y.to(x.device))
             with record_function("backward"):
                 loss.backward()  # autograd follows the .to() calls back across the devices
@@ -353,7 +358,8 @@ def train(args, rank, world_size, devices):
             # The first stage's rank feeds the inputs, the last stage's the targets.
             inputs = [x.to(device)] if is_first else []
             targets = dict(target=y.to(device), losses=losses) if is_last else {}
-            schedule.step(*inputs, **targets)
+            # Keywords go to every stage, cut into the micro-batches as the inputs are
+            schedule.step(*inputs, **targets, **on(device, docs))
             # Each is its sum x M / N: their mean is the whole batch's loss.
             loss = (torch.stack(losses).mean().detach() if is_last
                     else torch.zeros((), device=device, dtype=dtype))
@@ -386,7 +392,7 @@ def train(args, rank, world_size, devices):
             # every rank, at the same steps: it sends and receives
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(stages, owner, val_set, rank, devices, args.batch_size,
-                                    args.hidden, dtype)
+                                    args.hidden, dtype, args.data == "packed")
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Every rank sends its slice of the weights and of Adam's state to rank 0, which
@@ -398,6 +404,12 @@ def train(args, rank, world_size, devices):
     print0(meter.summary(final_loss, model, val_loss=val_loss))
     weights = gather_full_state(args, [(s, None) for s in stages])[0] if args.save else None
     return weights, final_loss, val_loss
+
+
+def on(device, docs):
+    """A stage's keywords: `docs` on its device, packed; none unpacked (a model of yours
+    need not take them)."""
+    return {} if docs is None else {"docs": docs.to(device)}
 
 
 def save_checkpoint(args, weights, adam, step):

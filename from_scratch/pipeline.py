@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 # common.py and plumbing/ are one folder up, in the collection's root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import SEQ_LEN, SimpleModel, loss_fn, make_dataset, seed_everything
+from common import BOS, SEQ_LEN, SimpleModel, documents, loss_fn, make_dataset, seed_everything
 from plumbing.checkpoints import gather_full_state, optimizer_share, read_checkpoint
 from plumbing.checkpoints import save_atomic, train_state
 from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, positive
@@ -217,13 +217,14 @@ def exchange(sends, receives):
         work.wait()
 
 
-def pipeline_step(args, part, stage, x, y, device, dtype):
-    """Every micro-batch of the batch (x, y) forward and backward through this rank's stage,
-    in --schedule's order; the gradients add up in .grad. Return the batch's loss on the
-    last stage (0 on the others)."""
+def pipeline_step(args, part, stage, x, y, docs, device, dtype):
+    """Every micro-batch of the batch (x, y; docs, packed) forward and backward through this
+    rank's stage, in --schedule's order; the gradients add up in .grad. Return the batch's
+    loss on the last stage (0 on the others)."""
     m, first, last = args.microbatches, stage == 0, stage == args.stages - 1
     # Equal micro-batches, cut as the library cuts them
     xs, ys = x.to(device).tensor_split(m), y.to(device).tensor_split(m)
+    docs = [None] * m if docs is None else docs.tensor_split(m)  # every stage's, packed
     # N, the batch's count of targets that count (cross_entropy skips -100s): every rank holds y
     tokens = (y != -100).sum()
     # What travels between stages, both ways: (micro-batch, sequence, hidden). The flags give
@@ -240,7 +241,7 @@ def pipeline_step(args, part, stage, x, y, device, dtype):
             if kind == "F":
                 # A leaf that requires grad: backward leaves the gradient to send back in it
                 inputs[i] = received[0].requires_grad_() if received else xs[i]
-                outputs[i] = part(inputs[i])
+                outputs[i] = part(inputs[i], **on(device, docs[i]))
                 if last:
                     # The micro-batch's summed loss over N/m: however the counts fall, the m
                     # of them add up to m times the batch's mean
@@ -262,7 +263,7 @@ def pipeline_step(args, part, stage, x, y, device, dtype):
 # --- end ---
 
 
-def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
+def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype, packed):
     """The mean cross-entropy per token over the whole held-out set, the same on every rank
     (a collective: forward only, stage by stage). `owner[i]`: the rank of stage i."""
     for stage_module in stages:
@@ -271,6 +272,8 @@ def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
     sums = torch.zeros(2, dtype=torch.float64, device=devices[-1])  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
+            # Packed: every stage's blocks keep the documents apart; read from the tokens
+            docs = documents(x, BOS) if packed else None
             mine = iter(zip(stages, devices * len(stages)))  # this rank's, in order
             for i in (i for i, r in enumerate(owner) if r == rank):
                 stage_module, device = next(mine)
@@ -280,7 +283,7 @@ def evaluate(stages, owner, dataset, rank, devices, batch_size, hidden, dtype):
                 if i > 0 and owner[i - 1] != rank:  # (batch, sequence, hidden) from before
                     x = torch.empty(*x.shape[:2], hidden, device=device, dtype=dtype)
                     dist.recv(x, src=owner[i - 1])
-                x = stage_module(x.to(device))
+                x = stage_module(x.to(device), **on(device, docs))
                 if i + 1 < len(owner) and owner[i + 1] != rank:
                     dist.send(x, dst=owner[i + 1])
                 # --- end ---
@@ -346,12 +349,14 @@ def train(args, rank, world_size, devices):
             # A resumed run skips the part of the epoch that was trained before the stop.
             batches = itertools.islice(loader, index, None)
         x, y = next(batches)
+        # Packed: where each token's document begins, for every stage's attention
+        docs = documents(x, BOS) if args.data == "packed" else None
         if world_size == 1:
             # --- Model parallelism: hand the activations from device to device ---
             # While one stage computes, the others wait: nothing overlaps.
             with record_function("forward"):
                 for stage_module, device in zip(stages, devices):
-                    x = stage_module(x.to(device))
+                    x = stage_module(x.to(device), **on(device, docs))
                 loss = loss_fn(x, y.to(x.device))
             with record_function("backward"):
                 loss.backward()  # autograd follows the .to() calls back across the devices
@@ -359,7 +364,7 @@ def train(args, rank, world_size, devices):
             # --- end ---
         else:
             # --- Pipeline parallelism: every micro-batch through this rank's stage, by hand ---
-            loss = pipeline_step(args, stages[0], rank, x, y, devices[0], dtype)
+            loss = pipeline_step(args, stages[0], rank, x, y, docs, devices[0], dtype)
             # --- end ---
         with record_function("optimizer step"):
             # --clip. A stage's own norm is of a part of the gradient (clip_grad_norm_ on it
@@ -389,7 +394,7 @@ def train(args, rank, world_size, devices):
             # every rank, at the same steps: it sends and receives
             with meter.paused(), record_function("evaluation"):
                 val_loss = evaluate(stages, owner, val_set, rank, devices, args.batch_size,
-                                    args.hidden, dtype)
+                                    args.hidden, dtype, args.data == "packed")
             print0(eval_line(step + 1, args.steps, val_loss))
         if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             # Every rank sends its slice of the weights and of Adam's state to rank 0, which
@@ -401,6 +406,12 @@ def train(args, rank, world_size, devices):
     print0(meter.summary(final_loss, model, val_loss=val_loss))
     weights = gather_full_state(args, [(s, None) for s in stages])[0] if args.save else None
     return weights, final_loss, val_loss
+
+
+def on(device, docs):
+    """A stage's keywords: `docs` on its device, packed; none unpacked (a model of yours
+    need not take them)."""
+    return {} if docs is None else {"docs": docs.to(device)}
 
 
 def save_checkpoint(args, weights, adam, step):

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 
+import common
 import masked_data
 from conftest import (FP64_TOL, JOB, REPO, VAL_TOL, early_results, fp64, load_saved,
                       logged_norms, logged_step_losses, max_diff, ok, python_cmd, ranks_cmd,
@@ -21,30 +22,40 @@ from conftest import (FP64_TOL, JOB, REPO, VAL_TOL, early_results, fp64, load_sa
 
 SEED, STEPS = 2, 12  # 12 steps of 180 cross an epoch of 2048 sequences
 HEADS = 3  # JOB's: TP on 3 ranks holds one head each
-# name: (ranks, script, its flags, the oracle's mixture)
+EXPERTS = dict(experts=4, top_k=2)
+# name: (ranks, script, its flags, the oracle's mixture, the data: --data's kind, or "user"'s)
 RUNS = {
-    "single, accumulation 3": (1, "single.py", ["--accum-steps=3"], {}),
-    "ddp, 3 ranks, accumulation 3": (3, "ddp.py", ["--accum-steps=3"], {}),
-    "tp, 3 ranks": (3, "tp.py", [], {}),
-    "cp, 2 ranks, accumulation 3": (2, "cp.py", ["--accum-steps=3"], {}),
-    "ep, 2 ranks, 4 experts": (2, "ep.py", ["--experts=4", "--top-k=2"],
-                               dict(experts=4, top_k=2)),
-    "pipeline, 2 stages, 4 micro-batches": (2, "pipeline.py", ["--microbatches=4"], {}),
-    "ddp by hand, 3 ranks, accumulation 3": (3, "from_scratch/ddp.py", ["--accum-steps=3"], {}),
+    "single, accumulation 3, packed": (1, "single.py", ["--accum-steps=3"], {}, "packed"),
+    "ddp, 3 ranks, accumulation 3": (3, "ddp.py", ["--accum-steps=3"], {}, "user"),
+    "fsdp, 2 ranks, accumulation 3, padded": (2, "fsdp.py", ["--accum-steps=3"], {}, "padded"),
+    "tp, 3 ranks, packed": (3, "tp.py", [], {}, "packed"),
+    "cp by ring, 2 ranks, accumulation 3, packed": (2, "cp.py", ["--accum-steps=3"], {},
+                                                    "packed"),
+    "cp by all-gather, 2 ranks, padded": (2, "cp.py", ["--cp-method=allgather"], {}, "padded"),
+    "cp, 2 ranks, accumulation 3": (2, "cp.py", ["--accum-steps=3"], {}, "user"),
+    "ep, 2 ranks, 4 experts, prompt": (2, "ep.py", ["--experts=4", "--top-k=2"], EXPERTS,
+                                       "prompt"),
+    "pipeline, 2 stages, 4 micro-batches, packed": (2, "pipeline.py", ["--microbatches=4"], {},
+                                                    "packed"),
+    "nd, 2 stages x cp 2, packed": (4, "nd.py", ["--pp=2", "--cp=2", "--tp=1"], {}, "packed"),
+    "ddp by hand, 3 ranks, accumulation 3": (3, "from_scratch/ddp.py", ["--accum-steps=3"], {},
+                                             "user"),
+    "pipeline by hand, 2 stages, 4 micro-batches, prompt": (
+        2, "from_scratch/pipeline.py", ["--microbatches=4"], {}, "prompt"),
 }
 
 
 def early_launches(folder):  # queued when the tests are collected (conftest.py)
     (folder / "from_scratch").mkdir()
-    for _, script, _, _ in RUNS.values():
+    for _, script, *_ in RUNS.values():
         shutil.copy(REPO / script, folder / script)
     shutil.copy(REPO / "tests" / "masked_data.py", folder)
     shutil.copytree(REPO / "plumbing", folder / "plumbing")
     (folder / "common.py").write_text((REPO / "common.py").read_text()
                                       + "\nfrom masked_data import make_dataset\n")
     commands = []
-    for i, (ranks, script, flags, _) in enumerate(RUNS.values()):
-        flags = [*fp64(SEED, steps=STEPS), f"--hidden={JOB['hidden']}",
+    for i, (ranks, script, flags, _, data) in enumerate(RUNS.values()):
+        flags = [*([] if data == "user" else [f"--data={data}"]), *fp64(SEED, steps=STEPS), f"--hidden={JOB['hidden']}",
                  f"--blocks={JOB['blocks']}", f"--heads={HEADS}", "--log-every=1",
                  "--device=cpu", *flags, f"--save={folder / str(i)}.pt"]
         commands.append(python_cmd(folder / script, *flags) if ranks == 1
@@ -59,13 +70,18 @@ def runs():
             for i, (name, result) in enumerate(zip(RUNS, results))}
 
 
-def oracle(**mixture):
+def data(split, kind):
+    """The run's data: common.py's --data kind, or the user's (tests/masked_data.py)."""
+    return masked_data.make_dataset(split, "repeat" if kind == "user" else kind)
+
+
+def oracle(kind, **mixture):
     from reference import reference_train
     norms = []
     model = dict(hidden=JOB["hidden"], blocks=JOB["blocks"], heads=HEADS)
     _, weights, losses = reference_train(
-        STEPS, 180, 0.01, SEED, **model, fp64=True, norms=norms,
-        data=masked_data.make_dataset("train"), **mixture)
+        STEPS, 180, 0.01, SEED, **model, fp64=True, norms=norms, data=data("train", kind),
+        bos=common.BOS if kind == "packed" else None, **mixture)
     return weights, losses, norms
 
 
@@ -82,10 +98,10 @@ def test_the_data_counts_differently_per_rank_micro_batch_and_piece():
 def test_each_family_divides_by_the_global_count_and_equals_the_fp64_oracle(runs, name):
     from reference import reference_val_loss
     out, weights = runs[name]
-    mixture = RUNS[name][3]
-    expected, losses, norms = oracle(**mixture)
+    *_, mixture, kind = RUNS[name]
+    expected, losses, norms = oracle(kind, **mixture)
     diff = max_diff(weights, expected)
-    print(f"{name}: {diff:.2e} from the fp64 oracle on masked data")  # pytest -s
+    print(f"{name}: {diff:.2e} from the fp64 oracle")  # pytest -s
     assert diff < FP64_TOL
     for step, loss in logged_step_losses(out).items():
         assert loss == pytest.approx(losses[step - 1], abs=1e-6), f"loss of step {step}"
@@ -93,8 +109,9 @@ def test_each_family_divides_by_the_global_count_and_equals_the_fp64_oracle(runs
         assert norm == pytest.approx(norms[step - 1], rel=1e-6), f"norm of step {step}"
     exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], HEADS,
                                mixture.get("experts", 0), mixture.get("top_k", 1),
-                               data=masked_data.make_dataset("val"))
+                               data=data("val", kind),
+                               bos=common.BOS if kind == "packed" else None)
     assert summary_val_loss(out) == pytest.approx(exact, abs=VAL_TOL)
     # and not the mean over every target, padding's included (the divisor evaluation had)
-    _, y = masked_data.make_dataset("val").tensors
+    _, y = data("val", kind).tensors
     assert abs(exact * (y != -100).sum().item() / y.numel() - exact) > 100 * VAL_TOL
