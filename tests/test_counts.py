@@ -29,8 +29,8 @@ RUNS = {
     "ddp, 3 ranks, accumulation 3": (3, "ddp.py", ["--accum-steps=3"], {}, "user"),
     "fsdp, 2 ranks, accumulation 3, padded": (2, "fsdp.py", ["--accum-steps=3"], {}, "padded"),
     "tp, 3 ranks, packed": (3, "tp.py", [], {}, "packed"),
-    "cp by ring, 2 ranks, accumulation 3, packed": (2, "cp.py", ["--accum-steps=3"], {},
-                                                    "packed"),
+    "cp by ring, 2 ranks, accumulation 3, packed": (
+        2, "cp.py", ["--accum-steps=3", "--cp-method=ring"], {}, "packed"),
     "cp by all-gather, 2 ranks, padded": (2, "cp.py", ["--cp-method=allgather"], {}, "padded"),
     "cp, 2 ranks, accumulation 3": (2, "cp.py", ["--accum-steps=3"], {}, "user"),
     "ep, 2 ranks, 4 experts, prompt": (2, "ep.py", ["--experts=4", "--top-k=2"], EXPERTS,
