@@ -139,9 +139,15 @@ def test_ring_attention_merges_blocks_into_one_softmax():
     chunks = 4
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     qs, ks, vs = (t.chunk(chunks, dim=-2) for t in (q, k, v))
-    rows = [cp_script.merge([cp_script.block_attention(qs[i], ks[j], vs[j], causal=i == j)
+    rows = [cp_script.merge([cp_script.block_attention(qs[i], ks[j], vs[j], later(i, j, qs[i]))
                              for j in range(i + 1)]) for i in range(chunks)]
     assert max_diff({"y": torch.cat(rows, dim=-2)}, {"y": expected}) < 1e-14
+
+
+def later(i, j, chunk):
+    """Query chunk i over key chunk j: the chunk itself hides each token's later ones."""
+    n = chunk.shape[-2]
+    return torch.ones(n, n, dtype=torch.bool).triu(1) if i == j else None
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -157,7 +163,7 @@ def test_ring_attention_on_bf16_inputs_is_within_the_gpu_tests_tolerance(seed):
     q, k, v = torch.randn(3, 2, 4, 64, 32, dtype=torch.bfloat16)
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     qs, ks, vs = (t.chunk(4, dim=-2) for t in (q, k, v))
-    rows = [cp_script.merge([cp_script.block_attention(qs[i], ks[j], vs[j], causal=i == j)
+    rows = [cp_script.merge([cp_script.block_attention(qs[i], ks[j], vs[j], later(i, j, qs[i]))
                              for j in range(i + 1)]) for i in range(4)]
     out = torch.cat(rows, dim=-2).to(torch.bfloat16)  # as attend_ring returns it
     assert (out.double() - expected).abs().max() < 2e-2

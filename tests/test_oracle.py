@@ -25,7 +25,13 @@ MUTATIONS = {
         "return x + self.down(F.gelu(self.up(self.mlp_norm(x))))",
         "return x + self.down(F.relu(self.up(self.mlp_norm(x))))"),
     "no position embedding": (
-        "x = self.embed(x) + self.pos(positions)", "x = self.embed(x)"),
+        "x = self.embed(x) + self.pos(positions if docs is None else positions - docs)",
+        "x = self.embed(x)"),
+    "packed: positions not restarting at each document": (
+        "self.pos(positions if docs is None else positions - docs)", "self.pos(positions)"),
+    "packed: a document attending across its boundary": (
+        "same = docs[:, None, :, None] == docs[:, None, None, :]",
+        "same = docs[:, None, :, None] >= 0"),
 }
 SIZE = dict(hidden=24, blocks=2, heads=3)
 
@@ -42,13 +48,17 @@ def model_from(source, tmp_path, experts, top_k):
 
 def distance_from_the_oracle(model, experts, top_k):
     """The largest difference of the logits and the routing statistics, in float64, on 64
-    training sequences."""
-    from common import make_dataset
-    x = make_dataset().tensors[0][:64]
-    with torch.no_grad():
-        logits = model(x)
-        want, routing = reference.forward(model.state_dict(), x, SIZE["heads"], experts, top_k)
-    gap = (logits - want).abs().max().item()
+    training sequences, of --data repeat, then of packed (the model told its BOS token)."""
+    from common import BOS, make_dataset
+    gap = 0.0
+    for bos in (None, BOS):
+        x = make_dataset("train", "repeat" if bos is None else "packed").tensors[0][:64]
+        model.bos = bos
+        with torch.no_grad():
+            logits = model(x)
+            want, routing = reference.forward(model.state_dict(), x, SIZE["heads"], experts,
+                                              top_k, bos)
+        gap = max(gap, (logits - want).abs().max().item())
     if experts:
         for block, (counts, prob_sums) in zip(model.blocks.values(), routing):
             gap = max(gap, (block.moe.routed[0] - counts).abs().max().item(),

@@ -563,7 +563,8 @@ HAND_MISTAKES = {  # name: [(lines of the real file, the mistake in their place)
         "        bias = bias / group.size()\n")],
     "TP by hand: the heads not divided": [(
         "common.py",
-        "        self.head_width = hidden // heads\n",
+        "        self.head_width = hidden // heads  # not a count: heads are as many as q holds "
+        "(tp.py)\n",
         "        self.heads = heads\n"), (
         "common.py",
         "        q, k, v = (proj(x).view(batch, seq, -1, self.head_width).transpose(1, 2)\n",

@@ -73,7 +73,8 @@ MISTAKES = {
         "                loss = loss_fn(model(x), y)  # (mistake) each micro-batch's own mean\n")]),
     "TP: attention that counts its heads": ("tp.py", [(
         "common.py",
-        "        self.head_width = hidden // heads\n",
+        "        self.head_width = hidden // heads  # not a count: heads are as many as q holds "
+        "(tp.py)\n",
         "        self.heads = heads\n"), (
         "common.py",
         "        q, k, v = (proj(x).view(batch, seq, -1, self.head_width).transpose(1, 2)\n",
@@ -139,10 +140,10 @@ MISTAKES = {
         "                g.mul_(factor)\n"), (
         "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
     "CP: positions not offset per piece": ("cp.py", [(
-        "                    loss = loss_fn(ddp_model(x, positions=where), y, reduction=\"sum\")\n",
-        "                    loss = loss_fn(ddp_model(x), y, reduction=\"sum\")\n"), (
-        "            logits = model(x, positions=positions.to(device))[:len(y)]\n",
-        "            logits = model(x)[:len(y)]\n")]),
+        "loss_fn(ddp_model(x, positions=where, docs=packed), y, reduction=\"sum\")\n",
+        "loss_fn(ddp_model(x, docs=packed), y, reduction=\"sum\")\n"), (
+        "            logits = model(x, positions=positions.to(device), docs=docs)[:len(y)]\n",
+        "            logits = model(x, docs=docs)[:len(y)]\n")]),
     "CP: loss averaged over a rank's own tokens": ("cp.py", [(
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
