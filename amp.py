@@ -150,7 +150,7 @@ def train(args, device):
             # --- AMP: forward under autocast, backward through the scaler ---
             with record_function("forward"), autocast:
                 loss = loss_fn(model(x), y, reduction="sum") / tokens
-                loss = loss + balance(model, args) / args.accum_steps  # MoE: after forward
+                loss = loss + balance(model, args, y) / args.accum_steps  # MoE: after forward
             with record_function("backward"):
                 scaler.scale(loss).backward()  # times the scale (fp16), else loss as it is
             # --- end ---

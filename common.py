@@ -83,11 +83,8 @@ class MoE(nn.Module):
         # In fp32 at least, whatever the compute dtype: summed over every token below.
         probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k): the k best experts
-        # For balance_loss: token slots as integers (bincount would read back to the host)
-        slots = chosen.flatten()
-        counts = torch.zeros_like(probs[0], dtype=torch.int64).scatter_add_(
-            0, slots, torch.ones_like(slots))
-        self.routed = torch.stack([counts.to(probs.dtype), probs.sum(dim=0)])
+        # Per token, for routed(): its k experts as 0s and 1s (exact integers), its probabilities
+        self.routed = (torch.zeros_like(probs, dtype=torch.int64).scatter_(1, chosen, 1), probs)
         return self.run_experts(tokens, weights, chosen).view_as(x)
 
     def run_experts(self, tokens, weights, chosen):
@@ -178,17 +175,20 @@ class SimpleModel(nn.Module):
         """Training FLOPs of a sequence as MFU counts them (nanoGPT's), by shape: sharded too."""
         dense = sum(m.in_features * m.out_features for m in self.modules()
                     if isinstance(m, nn.Linear))
-        for m in self.modules():  # a token meets top_k of a mixture's experts, not all
-            if isinstance(m, MoE):
-                expert = sum(2 * e.up.weight.numel() for e in m.experts.values())
-                dense -= (len(m.experts) - m.top_k) * expert // len(m.experts)
+        for m in (m for m in self.modules() if isinstance(m, MoE)):  # a token meets top_k
+            expert = sum(2 * e.up.weight.numel() for e in m.experts.values())
+            dense -= (len(m.experts) - m.top_k) * expert // len(m.experts)
         attention = sum(12 * m.o.in_features * SEQ_LEN for m in self.modules()
                         if isinstance(m, Attention))
         return SEQ_LEN * (6 * dense + attention)
 
-    def routed(self):
-        """MoE.routed of every block, from the last forward: (blocks, 2, experts)."""
-        return torch.stack([block.moe.routed for block in self.blocks.values()])
+    def routed(self, counted=None):
+        """Every block's MoE.routed from the last forward, summed over the tokens that count
+        (`counted`: a mask of them, as the targets'; None: all): (blocks, 2, experts)."""
+        keep = slice(None) if counted is None else counted.flatten()
+        sums = [(slots[keep].sum(dim=0).to(probs.dtype), probs[keep].sum(dim=0))
+                for slots, probs in (block.moe.routed for block in self.blocks.values())]
+        return torch.stack([torch.stack(pair) for pair in sums])
 
 
 def balance_loss(routed, top_k):

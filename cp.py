@@ -379,7 +379,7 @@ def train(args, rank, world_size, device):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
                     loss = loss_fn(ddp_model(x, positions=where, docs=packed), y, reduction="sum")
                     loss = loss * world_size / tokens
-                    loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
+                    loss = loss + balance(model, args, y, dist.group.WORLD) / args.accum_steps
                 with record_function("backward"):
                     loss.backward()
             # --- end ---

@@ -143,7 +143,7 @@ def train(args, device):
             x, y = x.to(device), y.to(device)
             with record_function("forward"):
                 loss = loss_fn(dp_model(x), y, reduction="sum") / tokens
-                loss = loss + balance(model, args) / args.accum_steps  # MoE: after forward
+                loss = loss + balance(model, args, y) / args.accum_steps  # MoE: after forward
             with record_function("backward"):
                 loss.backward()
             loss_sum += loss.detach()

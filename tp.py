@@ -341,7 +341,7 @@ def train(args, rank, world_size, device):
             # all-reduces of one number per token; backward, in pieces too, runs inside it.
             with cut_logits(), record_function("forward"):
                 loss = whole(loss_fn(model(x), y, reduction="sum")) * dp / tokens
-                loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
+                loss = loss + balance(model, args, y, dist.group.WORLD) / args.accum_steps
             with cut_logits(), record_function("backward"):
                 loss.backward()
             # --- end ---

@@ -27,6 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+import common  # noqa: E402
 import conftest  # noqa: E402
 import test_zoo  # noqa: E402
 from reference import reference_train, reference_val_loss  # noqa: E402
@@ -58,6 +59,14 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "ND: a seed per rank": (2, test_zoo.ND_FLAGS, 40),
     # against single.py on the same tied model (tests/gpt_like.py): the oracle's is untied
     "TP: a tied weight made a DTensor module by module": (2, ["--heads=4"], 40),
+    # the count's mistakes, on data whose counts differ (test_zoo.COUNTED: their --data)
+    "the mean of the ranks' means": (3, ["--data=prompt"], 40),
+    "the mean of the micro-batches' means": (2, ["--microbatches=4", "--data=prompt"], 40),
+    "the loss divided by the accumulation steps": (None, ["--accum-steps=3", "--data=prompt"],
+                                                   40),
+    "CP: divided by each rank's own tokens": (2, ["--data=padded"], 40),
+    "CP: a packed document attending across its boundary": (2, ["--data=packed"], 40),
+    "padding counted in evaluation": (2, ["--data=padded"], 40),
 }
 TIED = "TP: a tied weight made a DTensor module by module"
 
@@ -96,6 +105,8 @@ def main():
                      job["heads"])
         moe = {key: int(f.split("=")[1]) for f in extra for key in ("experts", "top_k")
                if f.startswith(f"--{key.replace('_', '-')}=")}
+        kind = next((f.split("=")[1] for f in extra if f.startswith("--data=")), "repeat")
+        data = dict(bos=common.BOS if kind == "packed" else None)
         for precision in ("fp32", "fp64"):
             flags = [f for f in conftest.fp64(job["seed"], steps=steps)
                      if precision == "fp64" or f != "--fp64"]
@@ -104,8 +115,10 @@ def main():
                                                           extra, env)
             else:
                 _, oracle, losses = reference_train(**dict(job, steps=steps, heads=heads),
-                                                    fp64=precision == "fp64", clip=clip, **moe)
-                exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads, **moe)
+                                                    fp64=precision == "fp64", clip=clip, **moe,
+                                                    data=common.make_dataset("train", kind), **data)
+                exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads, **moe,
+                                           data=common.make_dataset("val", kind), **data)
             row = []
             for kind in ("correct", "mistake"):
                 where = folder / f"{i}{precision}{kind}"

@@ -309,7 +309,7 @@ def train(args, rank, world_size, device):
                 unit.sync = micro == args.accum_steps - 1
             with record_function("forward"):
                 loss = loss_fn(model(x), y, reduction="sum") * world_size / tokens
-                loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
+                loss = loss + balance(model, args, y, dist.group.WORLD) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             # --- end ---

@@ -311,7 +311,7 @@ def train(args, rank, world_size, device):
             x, y = x.to(device), y.to(device)
             with record_function("forward"):
                 loss = loss_fn(model(x), y, reduction="sum") / tokens
-                loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
+                loss = loss + balance(model, args, y, dist.group.WORLD) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             loss_sum += loss.detach()

@@ -232,7 +232,7 @@ def train(args, rank, world_size, device):
             # communicated once, in the step below, as under DDP's no_sync().
             with record_function("forward"):
                 loss = loss_fn(model(x), y, reduction="sum") * world_size / tokens
-                loss = loss + balance(model, args, dist.group.WORLD) / args.accum_steps
+                loss = loss + balance(model, args, y, dist.group.WORLD) / args.accum_steps
             with record_function("backward"):
                 loss.backward()
             # --- end ---

@@ -8,12 +8,14 @@ import torch.distributed as dist
 from common import balance_loss
 
 
-def balance(model, args, group=None):
-    """--balance x the load-balancing loss of the micro-batch just forwarded (0 if dense). With
-    `group`: over its ranks, which hold one device's micro-batch between them (ddp.py...)."""
+def balance(model, args, y, group=None):
+    """--balance x the load-balancing loss of the micro-batch just forwarded (0 if dense), over
+    its tokens whose targets `y` count (docs/moe.md). With `group`: over its ranks, which hold
+    one device's micro-batch between them (ddp.py...)."""
     if not args.experts:
         return 0.0
-    routed = model.routed() if group is None else AllReduce.apply(model.routed(), group)
+    routed = model.routed(y != -100)
+    routed = routed if group is None else AllReduce.apply(routed, group)
     # The tokens each expert got over the run (the summary's last line), as exact integers
     model.tokens_per_expert = (routed[:, 0].detach().to(torch.int64)
                                + getattr(model, "tokens_per_expert", 0))

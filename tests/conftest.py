@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # common.py, for the model and the data
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference.py
 
+import common  # noqa: E402
 from common import SimpleModel  # noqa: E402
 
 
@@ -87,17 +88,19 @@ def moe(experts, top_k, accum=1):
 
 @functools.lru_cache(maxsize=None)
 def fp64_reference(seed, steps=FP64_JOB["steps"], clip=None, heads=JOB["heads"], experts=0,
-                   top_k=1, accum=1, blocks=JOB["blocks"]):
+                   top_k=1, accum=1, blocks=JOB["blocks"], data="repeat"):
     """The oracle's (initial, final weights, losses, gradient norms, and with experts the tokens
     each got, or None) for FP64_JOB on `seed`,
     in float64, clipped to `clip` if given, with `heads` heads (tensor parallelism needs a
     count its degree divides); with `experts`, the mixture of experts (top_k, and the
-    load-balancing loss per micro-batch of `accum`)."""
+    load-balancing loss per micro-batch of `accum`); on --data `data`."""
     from reference import reference_train
     norms, routed = [], []
     return (*reference_train(**{**JOB, **FP64_JOB, "steps": steps, "seed": seed,
                                 "heads": heads, "blocks": blocks}, fp64=True, clip=clip, norms=norms,
-                             experts=experts, top_k=top_k, accum=accum, routed=routed), norms,
+                             experts=experts, top_k=top_k, accum=accum, routed=routed,
+                             data=common.make_dataset("train", data),
+                             bos=common.BOS if data == "packed" else None), norms,
             routed[0] if routed else None)
 
 # One rule for every strategy and device: the saved weights are within TOL of the oracle's

@@ -14,7 +14,7 @@ docstrings say the model is:
     loss:   mean cross-entropy of every next token that counts, over the whole batch
             (a target of -100 does not count: a prompt's, padding) (+ --balance x the
             Switch/GShard load-balancing loss E x sum_e f_e P_e, averaged over the blocks,
-            with a mixture, per micro-batch)
+            with a mixture, per micro-batch, over its tokens whose targets count)
 
 So a changed line in the model's forward (a softmax over the wrong axis, the causal mask
 dropped, the top-k renormalized) moves the model away from this oracle, and every proof
@@ -68,12 +68,13 @@ def feed_forward(x, w, prefix):
     return linear(gelu(linear(x, w, f"{prefix}.up")), w, f"{prefix}.down")
 
 
-def mixture(x, w, prefix, experts, top_k):
+def mixture(x, w, prefix, experts, top_k, counted=None):
     """Each token through its top_k experts by router probability, their outputs added up
     weighted by those probabilities (not renormalized). Written densely: every expert runs on
     every token and a token's weight for an expert it did not choose is 0. Returns the output
     and the routing statistics: the token slots each expert got (integers) and the router's
-    probabilities summed over the tokens."""
+    probabilities summed over the tokens, those whose targets count (`counted`, a mask) if
+    given."""
     tokens = x.reshape(-1, x.shape[-1])
     probs = torch.softmax(tokens @ w[f"{prefix}.router.weight"].T, dim=-1)  # (tokens, E)
     top = probs.topk(top_k, dim=-1).indices  # (tokens, k)
@@ -81,14 +82,16 @@ def mixture(x, w, prefix, experts, top_k):
     gate = probs * chosen  # p_e where e is among the token's k best, else 0
     out = sum(gate[:, e, None] * feed_forward(tokens, w, f"{prefix}.experts.{e}")
               for e in range(experts))
-    return out.reshape(x.shape), (chosen.sum(0), probs.sum(0))
+    keep = torch.ones(len(tokens), dtype=torch.bool) if counted is None else counted.reshape(-1)
+    return out.reshape(x.shape), (chosen[keep].sum(0), probs[keep].sum(0))
 
 
-def forward(w, x, heads, experts=0, top_k=1, bos=None):
+def forward(w, x, heads, experts=0, top_k=1, bos=None, counted=None):
     """Logits (batch, seq, vocabulary) of the weights `w` (a state_dict's names) for tokens x,
     and per block the routing statistics of a mixture (else an empty list). bos: packed
     documents, each begun by this token: a token's position counts from its document's start,
-    and it attends within its document only."""
+    and it attends within its document only. counted: the routing statistics of those
+    tokens only (a mask)."""
     blocks = len({name.split(".")[1] for name in w if name.startswith("blocks.")})
     doc = torch.zeros_like(x) if bos is None else (x == bos).cumsum(dim=1)
     position = torch.zeros_like(x)
@@ -102,7 +105,7 @@ def forward(w, x, heads, experts=0, top_k=1, bos=None):
                           w, f"{b}.attn", heads, doc)
         normed = layer_norm(h, w[f"{b}.mlp_norm.weight"], w[f"{b}.mlp_norm.bias"])
         if experts:
-            out, stats = mixture(normed, w, f"{b}.moe", experts, top_k)
+            out, stats = mixture(normed, w, f"{b}.moe", experts, top_k, counted)
             routing.append(stats)
             h = h + out
         else:
@@ -186,7 +189,8 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
         if experts:
             loss = 0.0
             for micro in batch.chunk(accum):
-                logits, routing = forward(w, x[micro], heads, experts, top_k, bos)
+                logits, routing = forward(w, x[micro], heads, experts, top_k, bos,
+                                          counted=y[micro] != -100)
                 tokens = tokens + torch.stack([counts for counts, _ in routing])
                 part = (token_sum(logits, y[micro]) / count
                         + balance * balance_loss(routing, top_k) / accum)

@@ -79,9 +79,9 @@ def test_a_step_with_inf_gradients_is_skipped_and_the_scale_backs_off(monkeypatc
     those before step 2), says so with the halved scale, and step 3 goes through."""
     before, real_balance = [], amp.balance
 
-    def poisoned(model, args, *group):  # called once per step here (one micro-batch each)
+    def poisoned(model, args, y, *group):  # called once per step here (one micro-batch each)
         before.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        term = real_balance(model, args, *group)
+        term = real_balance(model, args, y, *group)
         return term + float("inf") * next(model.parameters()).sum() if len(before) == 2 else term
 
     monkeypatch.setattr(amp, "balance", poisoned)

@@ -60,9 +60,9 @@ def distance_from_the_oracle(model, experts, top_k):
                                               top_k, bos)
         gap = max(gap, (logits - want).abs().max().item())
     if experts:
-        for block, (counts, prob_sums) in zip(model.blocks.values(), routing):
-            gap = max(gap, (block.moe.routed[0] - counts).abs().max().item(),
-                      (block.moe.routed[1] - prob_sums).abs().max().item())
+        for routed, (counts, prob_sums) in zip(model.routed(), routing):
+            gap = max(gap, (routed[0] - counts).abs().max().item(),
+                      (routed[1] - prob_sums).abs().max().item())
     return gap
 
 

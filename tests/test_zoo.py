@@ -45,11 +45,11 @@ MISTAKES = {
         "                with record_function(\"forward\"):\n"
         "                    loss = loss_fn(ddp_model(x), y, reduction=\"sum\") * world_size / "
         "tokens\n"
-        "                    loss = loss + balance(model, args, dist.group.WORLD) / "
+        "                    loss = loss + balance(model, args, y, dist.group.WORLD) / "
         "args.accum_steps\n",
         "            with record_function(\"forward\"):\n"
         "                loss = loss_fn(ddp_model(x), y, reduction=\"sum\") * world_size / tokens\n"
-        "                loss = loss + balance(model, args, dist.group.WORLD) / "
+        "                loss = loss + balance(model, args, y, dist.group.WORLD) / "
         "args.accum_steps\n"
         "            with ddp_model.no_sync() if micro < args.accum_steps - 1 else "
         "contextlib.nullcontext():\n")]),
@@ -157,15 +157,18 @@ MISTAKES = {
         "    spread = args.microbatches  # (mistake) the global count is the mean: D x C "
         "left out\n")]),
     "ND: positions not passed to the stages": ("nd.py", [(
-        "        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1))\n",
-        "        schedule.step(*inputs, **targets)\n")]),
+        "        schedule.step(*inputs, **targets, positions=where.expand(len(x), -1), "
+        "**on(device, docs))\n",
+        "        schedule.step(*inputs, **targets, **on(device, docs))\n")]),
     "CP ring: a hop skipped where its keys are masked": ("cp.py", [(
-        "        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):\n",
+        "        for i, (query, q_chunk, part) in enumerate(zip(queries, chunks_of(me, cp), "
+        "parts)):\n",
         "        if source > me:  # \"a later rank's keys are all masked for my first chunk\"\n"
         "            continue  # ...and the exchange at the bottom of the loop goes with it\n"
-        "        for query, q_chunk, part in zip(queries, chunks_of(me, cp), parts):\n")]),
+        "        for i, (query, q_chunk, part) in enumerate(zip(queries, chunks_of(me, cp), "
+        "parts)):\n")]),
     "EP: the balancing loss from each rank's own routing": ("ep.py", [(
-        "balance(model, args, dist.group.WORLD)", "balance(model, args)")]),
+        "balance(model, args, y, dist.group.WORLD)", "balance(model, args, y)")]),
     "EP: an expert's gradient averaged over its holders": ("ep.py", [(
         "            g.copy_(summed.view_as(g) / world)\n",
         "            g.copy_(summed.view_as(g) / (dist.get_world_size(group) if group "
@@ -209,7 +212,36 @@ MISTAKES = {
         "common.py",
         "\"blocks.*.mlp_norm\": \"norm\",",
         "\"blocks.*.ln_2\": \"norm\",  # GPT-2's name\n              ")]),
+    # The count's mistakes, shown on data whose counts differ (COUNTED: their --data)
+    "the mean of the ranks' means": ("ddp.py", [(
+        "        dist.all_reduce(tokens)\n",
+        "        pass  # (mistake) each rank divides by its own count\n")]),
+    "the mean of the micro-batches' means": ("pipeline.py", [(
+        "            return loss_fn(output, target, reduction=\"sum\") * args.microbatches / "
+        "tokens\n",
+        "            return loss_fn(output, target)  # (mistake) the micro-batch's own mean\n")]),
+    "the loss divided by the accumulation steps": ("single.py", [(
+        "                loss = loss_fn(model(x), y, reduction=\"sum\") / tokens\n",
+        "                loss = loss_fn(model(x), y) / args.accum_steps  # (mistake)\n")]),
+    "CP: divided by each rank's own tokens": ("cp.py", [(
+        "        dist.all_reduce(tokens)\n",
+        "        pass  # (mistake) each rank divides by its own pieces' count\n")]),
+    "CP: a packed document attending across its boundary": ("cp.py", [(
+        "        may_see = may_see & (docs[:, None, :, None] == all_docs[:, None, None, :])\n",
+        "        pass  # (mistake) causal by position only\n")]),
+    "padding counted in evaluation": ("ddp.py", [(
+        "            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips "
+        "-100s\n",
+        "            sums[1] += y.numel()  # (mistake) every target, padding's too\n")]),
 }
+# The count's mistakes: the data each shows on (where the counts differ per rank, micro-batch,
+# CP piece, and padding is there to count)
+COUNTED = {"the mean of the ranks' means": "prompt",
+           "the mean of the micro-batches' means": "prompt",
+           "the loss divided by the accumulation steps": "prompt",
+           "CP: divided by each rank's own tokens": "padded",
+           "CP: a packed document attending across its boundary": "packed",
+           "padding counted in evaluation": "padded"}
 # The mixture of the EP mistakes (ep.py's default, spelled out for the oracle)
 EP_MIXTURE = {"experts": 4, "top_k": 2}
 EP_FLAGS = ["--experts=4", "--top-k=2"]
@@ -240,6 +272,11 @@ LAUNCHED = {
     "ND: the norm clipped per stage": (2, [*fp64(SEED, steps=4, clip=FP64_CLIP), *ND_FLAGS]),
     "ND: the micro-batches counted twice": (2, [*fp64(SEED, steps=4), *ND_FLAGS]),
     "ND: a seed per rank": (2, [*fp64(SEED, steps=4), *ND_FLAGS]),
+    # 3 data ranks; 2 stages of 4 micro-batches; 2 CP ranks
+    **{name: ({"ddp.py": 3}.get(MISTAKES[name][0], 2),
+              [*fp64(SEED, steps=4), f"--data={data}",
+               *(["--microbatches=4"] if MISTAKES[name][0] == "pipeline.py" else [])])
+       for name, data in COUNTED.items() if MISTAKES[name][0] != "single.py"},
 }
 
 
@@ -275,12 +312,13 @@ def launched():
             for i, (name, result) in enumerate(zip(LAUNCHED, results))}
 
 
-def distance(weights, steps=FP64_JOB["steps"], heads=JOB["heads"], **moe):
+def distance(weights, steps=FP64_JOB["steps"], heads=JOB["heads"], data="repeat", **moe):
     """Max weight difference from the fp64 oracle on SEED (FP64_JOB, or `steps` steps; with
-    `moe`, the mixture's); weights: a state_dict, or the file a launched mistake saved."""
+    `moe`, the mixture's; on --data `data`); weights: a state_dict, or the file a launched
+    mistake saved."""
     if not isinstance(weights, dict):
         weights = load_saved(weights)
-    return max_diff(weights, fp64_reference(SEED, steps, heads=heads, **moe)[1])
+    return max_diff(weights, fp64_reference(SEED, steps, heads=heads, data=data, **moe)[1])
 
 
 def test_every_mistake_replaces_lines_the_real_script_holds_exactly_once(tmp_path):
@@ -628,3 +666,34 @@ def test_a_mesh_built_tp_first_is_refused_in_one_line_where_tp_would_span_machin
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+@pytest.mark.parametrize("name", [name for name in COUNTED if name in LAUNCHED
+                                  and name != "padding counted in evaluation"])
+def test_a_wrong_count_misses_the_oracle_where_the_counts_differ(launched, name):
+    """Each divides by a count other than the batch's (a rank's, a micro-batch's, a CP
+    piece's) or lets a document see another's: on data whose counts differ, it ends away from
+    one device."""
+    _, path = launched[name]
+    assert distance(path, steps=4, data=COUNTED[name]) > FP64_TOL
+
+
+def test_the_loss_divided_by_the_accumulation_steps_misses_the_oracle(tmp_path):
+    """Each micro-batch's own mean over K: right only when every micro-batch counts as many
+    targets. Here they differ, and the weights end away from one device."""
+    name = "the loss divided by the accumulation steps"
+    _, weights = run_in_process(imported(mutant(name, tmp_path)),
+                                [*fp64(SEED, steps=4), "--accum-steps=3",
+                                 f"--data={COUNTED[name]}"], tmp_path)
+    assert distance(weights, steps=4, data=COUNTED[name]) > FP64_TOL
+
+
+def test_padding_counted_in_evaluation_misses_the_exact_held_out_loss(launched):
+    """The weights are right; the validation loss divides by every target, padding's too."""
+    name = "padding counted in evaluation"
+    out, path = launched[name]
+    assert distance(path, steps=4, data="padded") < FP64_TOL
+    exact = reference_val_loss(fp64_reference(SEED, 4, data="padded")[1], JOB["hidden"],
+                               JOB["blocks"], JOB["heads"],
+                               data=common.make_dataset("val", "padded"))
+    assert abs(summary_val_loss(out) - exact) > 100 * VAL_TOL
