@@ -197,15 +197,14 @@ class AllGather(torch.autograd.Function):
 
 
 def attend_allgather(q, k, v, docs, group, positions, all_positions):
-    """Causal attention of this rank's queries over every rank's keys and values (packed: in
-    the query's document, `docs` saying where each of this rank's tokens' begins)."""
+    """Causal attention of this rank's queries over every rank's keys and values (packed: docs)."""
     kv = AllGather.apply(torch.stack([k, v]), group)  # one collective for both
     # Causal by position, not by index: `is_causal` would compare this rank's 4th query with
     # the 4th key of the gathered sequence, which is not the token before it.
     may_see = all_positions <= positions[:, None]  # (this rank's tokens, all tokens)
     if docs is not None:  # and by document: every rank's docs too, a small all-gather
-        all_docs = AllGather.apply(docs[..., None], group)[..., 0]  # (batch, all tokens)
-        may_see = may_see & (docs[:, None, :, None] == all_docs[:, None, None, :])
+        all_docs = AllGather.apply(docs[:, None, :, None], group)  # (batch, 1, all tokens, 1)
+        may_see = may_see & (docs[:, None, :, None] == all_docs.mT)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=may_see)
 
 
@@ -234,10 +233,9 @@ def pass_on(x, group, step):
 
 
 def block_attention(q, k, v, hidden):
-    """Attention of q over one block of keys, but those `hidden` (a mask, or None): its output
-    and each query's log-sum-exp of its scores (for merge() to weigh it against the other
-    blocks). In float32 at least, as PyTorch's own merges: a bf16 log-sum-exp rounds by up to
-    1/64, an error in every output."""
+    """Attention of q over one block of keys, but the `hidden` ones (a mask, or None): its output
+    and each query's log-sum-exp (merge() weighs the blocks by it). In float32 at least, as
+    PyTorch's own merges: a bf16 log-sum-exp rounds by up to 1/64, an error in every output."""
     wide = torch.promote_types(q.dtype, torch.float32)
     q, k, v = q.to(wide), k.to(wide), v.to(wide)
     scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
@@ -256,14 +254,15 @@ def merge(parts):
 
 
 def attend_ring(q, k, v, docs, group):
-    """Causal attention of this rank's queries over every rank's keys and values, by ring
-    (packed: in the query's document, `docs` saying where each of this rank's tokens' begins)."""
+    """Causal attention of this rank's queries over every rank's keys and values, by ring."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
     queries = q.chunk(2, dim=-2)  # this rank's two chunks
     parts = ([], [])  # per query chunk: (output, log-sum-exp) over each key chunk it sees
     kv = torch.stack([k, v])  # one message for both
-    if docs is not None:  # every rank's, in rank order (a small all-gather), by chunk
-        every = AllGather.apply(docs[..., None], group)[..., 0].chunk(2 * cp, dim=-1)
+    n = queries[0].shape[-2]  # a chunk's own keys: token t sees the chunk's tokens up to t
+    later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    if docs is not None:  # packed: every rank's, in rank order (a small all-gather), by chunk
+        every = AllGather.apply(docs[:, None, :, None], group).chunk(2 * cp, dim=-2)
     for hop in range(cp):
         source = (me - hop) % cp  # whose tokens kv holds: this rank's own, then each other's
         for i, (query, q_chunk, part) in enumerate(zip(queries, chunks_of(me, cp), parts)):
@@ -273,13 +272,9 @@ def attend_ring(q, k, v, docs, group):
                 # chunk pairs; the load balance gives every rank the same number of them.)
                 if k_chunk > q_chunk:
                     continue
-                # The query chunk itself: token t sees the chunk's tokens up to t
-                n = query.shape[-2]
-                later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
                 hidden = later if k_chunk == q_chunk else None
-                if docs is not None:  # and only its own document's
-                    mine, theirs = every[2 * me + i], every[2 * source + j]
-                    other = mine[:, None, :, None] != theirs[:, None, None, :]
+                if docs is not None:  # and another document's: (batch, 1, query, key)
+                    other = every[2 * me + i] != every[2 * source + j].mT
                     hidden = other if hidden is None else hidden | other
                 part.append(block_attention(query, *key_value, hidden))
         if hop < cp - 1:

@@ -407,8 +407,7 @@ def train(args, rank, world_size, devices):
 
 
 def on(device, docs):
-    """A stage's keywords: `docs` on its device, packed; none unpacked (a model of yours
-    need not take them)."""
+    """A stage's keywords: `docs` on its device, packed; none unpacked (your model's too)."""
     return {} if docs is None else {"docs": docs.to(device)}
 
 

@@ -7,6 +7,7 @@
     python docs/benchmarks.py ddp fsdp --batch=512 --reps=5   # and 5 repetitions of each row
     python docs/benchmarks.py ep-save    # ep.py's rank 0 in a save
     python docs/benchmarks.py by-hand    # each wrapper against its twin in from_scratch/
+    python docs/benchmarks.py count      # what the global count of targets costs a step
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -352,9 +353,58 @@ def by_hand(reps=3, batch=128):
               f"(lowest {min(ratios):.0f}%, highest {max(ratios):.0f}%)", flush=True)
 
 
+COUNT_LINE = "        dist.all_reduce(tokens)\n"  # ddp.py's global count (docs/counts.md)
+ONE_ALL_REDUCE = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+tokens = torch.ones((), dtype=torch.int64)
+for i in range(2200):
+    if i == 200:
+        start = time.perf_counter()
+    dist.all_reduce(tokens)
+if dist.get_rank() == 0:
+    print(f"{(time.perf_counter() - start) / 2000 * 1e6:.0f}")
+dist.destroy_process_group()
+"""
+
+
+def count(reps=3, batch=128):
+    """What the global count of targets costs per step: ddp.py on 2 ranks against a copy of it
+    without the count's all-reduce (each rank divides by its own count, the mistake of
+    docs/counts.md, which does the same work otherwise), rows alternating; and one all-reduce
+    of an int64 alone on 2 gloo ranks, timed over 2000 calls."""
+    text = open(os.path.join(REPO, "ddp.py")).read()
+    assert text.count(COUNT_LINE) == 1
+    uncounted = os.path.join(REPO, ".benchmark_ddp_uncounted.py")
+    with open(uncounted, "w") as f:
+        f.write(text.replace(COUNT_LINE, ""))
+    alone = os.path.join(REPO, ".benchmark_one_all_reduce.py")
+    with open(alone, "w") as f:
+        f.write(ONE_ALL_REDUCE)
+    rows = []
+    try:
+        for _ in range(reps):
+            (counted, line), = rates(torchrun(2, "ddp.py", batch))
+            (plain, _), = rates(torchrun(2, uncounted, batch))
+            step = float(re.search(r"\| ([0-9.]+) ms/step", line).group(1))
+            micro = subprocess.run([*TORCHRUN, "--nproc_per_node=2", alone], cwd=REPO,
+                                   capture_output=True, text=True, check=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()[-1]
+            rows.append([str(batch), f"{plain:.0f}", f"{counted:.0f}",
+                         f"{100 * counted / plain:.0f}%", f"{step:.1f}", micro])
+    finally:
+        os.remove(uncounted)
+        os.remove(alone)
+    table("ddp.py, 2 ranks: the step's global count of targets (one int64 all-reduce)",
+          ["batch", "samples/s without the count", "samples/s with it", "ratio",
+           "ms/step with it", "one int64 all-reduce alone, us"], rows)
+    medians(rows, 3)
+
+
 TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
           "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled,
-          "ep": ep, "alltoall": alltoall, "ep-save": ep_save, "by-hand": by_hand}
+          "ep": ep, "alltoall": alltoall, "ep-save": ep_save, "by-hand": by_hand,
+          "count": count}
 
 if __name__ == "__main__":
     import torch

@@ -35,7 +35,8 @@ MARKED = re.compile(r"<!--([a-z0-9-]+)-->(.*?)<!--/-->")
 WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
          "fifteen sixteen seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three "
          "twenty-four twenty-five twenty-six twenty-seven twenty-eight twenty-nine thirty thirty-one "
-         "thirty-two thirty-three thirty-four thirty-five").split()
+         "thirty-two thirty-three thirty-four thirty-five thirty-six thirty-seven thirty-eight "
+         "thirty-nine forty").split()
 
 
 def parameters(**size):

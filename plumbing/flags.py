@@ -85,9 +85,8 @@ def shared_parser(doc, accum=True, sharded=False, ranks=False, moe=True, replica
         train.add_argument("--accum-steps", type=positive(int), default=1,
                            help="micro-batches accumulated per optimizer step")
     train.add_argument("--data", choices=common.DATA, default="repeat",
-                       help="common.make_dataset's kind: repeat (every target counts), padded "
-                            "or prompt (some do not: -100), or packed documents, each attending "
-                            "to itself only (docs/counts.md)")
+                       help="common.make_dataset's kind: repeat (every target counts), padded, "
+                            "prompt (some do not), packed documents (docs/counts.md)")
     train.add_argument("--clip", type=float, default=0.0,
                        help="clip the gradient norm to this, e.g. 1.0 (default 0: no clipping, "
                             "so the defaults train exactly like every other script)")

@@ -227,7 +227,7 @@ MISTAKES = {
         "        dist.all_reduce(tokens)\n",
         "        pass  # (mistake) each rank divides by its own pieces' count\n")]),
     "CP: a packed document attending across its boundary": ("cp.py", [(
-        "        may_see = may_see & (docs[:, None, :, None] == all_docs[:, None, None, :])\n",
+        "        may_see = may_see & (docs[:, None, :, None] == all_docs.mT)\n",
         "        pass  # (mistake) causal by position only\n")]),
     "padding counted in evaluation": ("ddp.py", [(
         "            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips "
@@ -668,14 +668,32 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
 
 
-@pytest.mark.parametrize("name", [name for name in COUNTED if name in LAUNCHED
-                                  and name != "padding counted in evaluation"])
-def test_a_wrong_count_misses_the_oracle_where_the_counts_differ(launched, name):
-    """Each divides by a count other than the batch's (a rank's, a micro-batch's, a CP
-    piece's) or lets a document see another's: on data whose counts differ, it ends away from
-    one device."""
+def missed_where_the_counts_differ(launched, name):
+    """The launched mistake `name` ends away from one device trained on its data (COUNTED)."""
     _, path = launched[name]
     assert distance(path, steps=4, data=COUNTED[name]) > FP64_TOL
+
+
+def test_the_mean_of_the_ranks_means_misses_the_oracle(launched):
+    """Each rank divides by its own count, and DDP averages: a rank with few targets that
+    count weighs as much as one with many."""
+    missed_where_the_counts_differ(launched, "the mean of the ranks' means")
+
+
+def test_the_mean_of_the_micro_batches_means_misses_the_oracle(launched):
+    """Each pipeline micro-batch's own mean, the M of them averaged by scale_grads."""
+    missed_where_the_counts_differ(launched, "the mean of the micro-batches' means")
+
+
+def test_cp_divided_by_a_ranks_piece_count_misses_the_oracle(launched):
+    """Each CP rank divides by the targets of its own pieces; padding falls on some only."""
+    missed_where_the_counts_differ(launched, "CP: divided by each rank's own tokens")
+
+
+def test_cp_attending_across_its_boundary_misses_the_oracle(launched):
+    """The all-gather masks by position only: a packed document reads the one before it."""
+    missed_where_the_counts_differ(launched,
+                                   "CP: a packed document attending across its boundary")
 
 
 def test_the_loss_divided_by_the_accumulation_steps_misses_the_oracle(tmp_path):
