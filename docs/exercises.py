@@ -105,8 +105,8 @@ def main():
                      job["heads"])
         moe = {key: int(f.split("=")[1]) for f in extra for key in ("experts", "top_k")
                if f.startswith(f"--{key.replace('_', '-')}=")}
-        kind = next((f.split("=")[1] for f in extra if f.startswith("--data=")), "repeat")
-        data = dict(bos=common.BOS if kind == "packed" else None)
+        data_kind = next((f.split("=")[1] for f in extra if f.startswith("--data=")), "repeat")
+        data = dict(bos=common.BOS if data_kind == "packed" else None)
         for precision in ("fp32", "fp64"):
             flags = [f for f in conftest.fp64(job["seed"], steps=steps)
                      if precision == "fp64" or f != "--fp64"]
@@ -114,11 +114,11 @@ def main():
                 oracle, losses, exact = tied_model_oracle(folder / f"{i}{precision}", flags,
                                                           extra, env)
             else:
-                _, oracle, losses = reference_train(**dict(job, steps=steps, heads=heads),
-                                                    fp64=precision == "fp64", clip=clip, **moe,
-                                                    data=common.make_dataset("train", kind), **data)
+                _, oracle, losses = reference_train(
+                    **dict(job, steps=steps, heads=heads), fp64=precision == "fp64", clip=clip,
+                    **moe, data=common.make_dataset("train", data_kind), **data)
                 exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads, **moe,
-                                           data=common.make_dataset("val", kind), **data)
+                                           data=common.make_dataset("val", data_kind), **data)
             row = []
             for kind in ("correct", "mistake"):
                 where = folder / f"{i}{precision}{kind}"
