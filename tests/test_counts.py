@@ -21,14 +21,15 @@ from conftest import (FP64_TOL, JOB, REPO, VAL_TOL, early_results, fp64, load_sa
                       summary_val_loss)
 
 SEED, STEPS = 2, 12  # 12 steps of 180 cross an epoch of 2048 sequences
-HEADS = 3  # JOB's: TP on 3 ranks holds one head each
+HEADS = 3  # JOB's; the TP run's 4 (its flags say so), which its 2 ranks of a group divide
 EXPERTS = dict(experts=4, top_k=2)
 # name: (ranks, script, its flags, the oracle's mixture, the data: --data's kind, or "user"'s)
 RUNS = {
     "single, accumulation 3, packed": (1, "single.py", ["--accum-steps=3"], {}, "packed"),
     "ddp, 3 ranks, accumulation 3": (3, "ddp.py", ["--accum-steps=3"], {}, "user"),
     "fsdp, 2 ranks, accumulation 3, padded": (2, "fsdp.py", ["--accum-steps=3"], {}, "padded"),
-    "tp, 3 ranks, packed": (3, "tp.py", [], {}, "packed"),
+    "tp 2D with SP, 4 ranks (dp 2 x tp 2), packed": (
+        4, "tp.py", ["--tp=2", "--sequence-parallel", "--heads=4"], {}, "packed"),
     "cp by ring, 2 ranks, accumulation 3, packed": (
         2, "cp.py", ["--accum-steps=3", "--cp-method=ring"], {}, "packed"),
     "cp by all-gather, 2 ranks, padded": (2, "cp.py", ["--cp-method=allgather"], {}, "padded"),
@@ -55,8 +56,9 @@ def early_launches(folder):  # queued when the tests are collected (conftest.py)
                                       + "\nfrom masked_data import make_dataset\n")
     commands = []
     for i, (ranks, script, flags, _, data) in enumerate(RUNS.values()):
-        flags = [*([] if data == "user" else [f"--data={data}"]), *fp64(SEED, steps=STEPS), f"--hidden={JOB['hidden']}",
-                 f"--blocks={JOB['blocks']}", f"--heads={HEADS}", "--log-every=1",
+        data = [] if data == "user" else [f"--data={data}"]
+        flags = [*data, *fp64(SEED, steps=STEPS), f"--hidden={JOB['hidden']}",
+                 f"--blocks={JOB['blocks']}", f"--heads={heads(flags)}", "--log-every=1",
                  "--device=cpu", *flags, f"--save={folder / str(i)}.pt"]
         commands.append(python_cmd(folder / script, *flags) if ranks == 1
                         else ranks_cmd(ranks, folder / script, *flags))
@@ -75,10 +77,15 @@ def data(split, kind):
     return masked_data.make_dataset(split, "repeat" if kind == "user" else kind)
 
 
-def oracle(kind, **mixture):
+def heads(flags):
+    """The run's heads: its own --heads, else HEADS."""
+    return next((int(f.split("=")[1]) for f in flags if f.startswith("--heads=")), HEADS)
+
+
+def oracle(kind, heads, **mixture):
     from reference import reference_train
     norms = []
-    model = dict(hidden=JOB["hidden"], blocks=JOB["blocks"], heads=HEADS)
+    model = dict(hidden=JOB["hidden"], blocks=JOB["blocks"], heads=heads)
     _, weights, losses = reference_train(
         STEPS, 180, 0.01, SEED, **model, fp64=True, norms=norms, data=data("train", kind),
         bos=common.BOS if kind == "packed" else None, **mixture)
@@ -98,8 +105,8 @@ def test_the_data_counts_differently_per_rank_micro_batch_and_piece():
 def test_each_family_divides_by_the_global_count_and_equals_the_fp64_oracle(runs, name):
     from reference import reference_val_loss
     out, weights = runs[name]
-    *_, mixture, kind = RUNS[name]
-    expected, losses, norms = oracle(kind, **mixture)
+    _, _, flags, mixture, kind = RUNS[name]
+    expected, losses, norms = oracle(kind, heads(flags), **mixture)
     diff = max_diff(weights, expected)
     print(f"{name}: {diff:.2e} from the fp64 oracle")  # pytest -s
     assert diff < FP64_TOL
@@ -107,7 +114,7 @@ def test_each_family_divides_by_the_global_count_and_equals_the_fp64_oracle(runs
         assert loss == pytest.approx(losses[step - 1], abs=1e-6), f"loss of step {step}"
     for step, norm in logged_norms(out).items():
         assert norm == pytest.approx(norms[step - 1], rel=1e-6), f"norm of step {step}"
-    exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], HEADS,
+    exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], heads(flags),
                                mixture.get("experts", 0), mixture.get("top_k", 1),
                                data=data("val", kind),
                                bos=common.BOS if kind == "packed" else None)
