@@ -185,8 +185,8 @@ class SimpleModel(nn.Module):
     def routed(self, counted=None):
         """Every block's MoE.routed from the last forward, summed over the tokens that count
         (`counted`: a mask of them, as the targets'; None: all): (blocks, 2, experts)."""
-        keep = slice(None) if counted is None else counted.flatten()
-        sums = [(slots[keep].sum(dim=0).to(probs.dtype), probs[keep].sum(dim=0))
+        keep = 1 if counted is None else counted.flatten()[:, None]  # (no host sync: no indexing)
+        sums = [((slots * keep).sum(dim=0).to(probs.dtype), (probs * keep).sum(dim=0))
                 for slots, probs in (block.moe.routed for block in self.blocks.values())]
         return torch.stack([torch.stack(pair) for pair in sums])
 
@@ -196,7 +196,7 @@ def balance_loss(routed, top_k):
     share of the token slots, at most 1/k; P_e: its mean router probability), averaged over the
     blocks: 1 when balanced (always, with k = E), up to E/k. Only P carries a gradient. From
     `routed` summed over the ranks that share one device's micro-batch (a product of means)."""
-    tokens = routed[0, 0].sum() / top_k
+    tokens = (routed[0, 0].sum() / top_k).clamp(min=1)  # none that count: 0, not 0/0
     share, mean_prob = routed[:, 0] / (tokens * top_k), routed[:, 1] / tokens
     return routed.shape[-1] * (share * mean_prob).sum(dim=-1).mean()
 

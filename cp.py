@@ -147,12 +147,12 @@ def evaluate(model, dataset, rank, world_size, batch_size, device, positions, pa
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # token losses, tokens
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
-            docs = documents(x, BOS)[:, positions].to(device) if packed else None
+            docs = {"docs": documents(x, BOS)[:, positions].to(device)} if packed else {}
             x, y = x[:, positions].to(device), y[:real, positions].to(device)  # its tokens
             real -= len(y)
             # A CP forward is a collective: every rank forwards the padded batch whole, as
             # often, then scores its real samples (cut first, the last could be empty).
-            logits = model(x, positions=positions.to(device), docs=docs)[:len(y)]
+            logits = model(x, positions=positions.to(device), **docs)[:len(y)]
             sums[0] += loss_fn(logits, y, reduction="sum")
             sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips -100s
     # Sums here too: a mean of the ranks' means would weigh a 333-sample shard like a 334 one.
@@ -196,7 +196,7 @@ class AllGather(torch.autograd.Function):
         return mine, None
 
 
-def attend_allgather(q, k, v, docs, group, positions, all_positions):
+def attend_allgather(q, k, v, docs=None, *, group, positions, all_positions):
     """Causal attention of this rank's queries over every rank's keys and values (packed: docs)."""
     kv = AllGather.apply(torch.stack([k, v]), group)  # one collective for both
     # Causal by position, not by index: `is_causal` would compare this rank's 4th query with
@@ -253,14 +253,13 @@ def merge(parts):
     return sum(out * torch.exp(part_lse - lse) for out, part_lse in parts)
 
 
-def attend_ring(q, k, v, docs, group):
+def attend_ring(q, k, v, docs=None, *, group):
     """Causal attention of this rank's queries over every rank's keys and values, by ring."""
     me, cp = dist.get_rank(group), dist.get_world_size(group)
     queries = q.chunk(2, dim=-2)  # this rank's two chunks
     parts = ([], [])  # per query chunk: (output, log-sum-exp) over each key chunk it sees
     kv = torch.stack([k, v])  # one message for both
-    n = queries[0].shape[-2]  # a chunk's own keys: token t sees the chunk's tokens up to t
-    later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    later = q.new_ones(queries[0].shape[-2:-1] * 2, dtype=torch.bool).triu(1)
     if docs is not None:  # packed: every rank's, in rank order (a small all-gather), by chunk
         every = AllGather.apply(docs[:, None, :, None], group).chunk(2 * cp, dim=-2)
     for hop in range(cp):
@@ -272,7 +271,7 @@ def attend_ring(q, k, v, docs, group):
                 # chunk pairs; the load balance gives every rank the same number of them.)
                 if k_chunk > q_chunk:
                     continue
-                hidden = later if k_chunk == q_chunk else None
+                hidden = later if k_chunk == q_chunk else None  # its own: t sees up to t
                 if docs is not None:  # and another document's: (batch, 1, query, key)
                     other = every[2 * me + i] != every[2 * source + j].mT
                     hidden = other if hidden is None else hidden | other
@@ -363,8 +362,9 @@ def train(args, rank, world_size, device):
         dist.all_reduce(tokens)
         # --- end ---
         for micro, (x, y) in enumerate(batches):
-            # Packed: where each token's document begins, read from the whole sequence
-            packed = documents(x, BOS)[:, positions].to(device) if args.data == "packed" else None
+            # Packed: the tokens' documents, read from the whole sequence (a keyword only then)
+            packed = ({"docs": documents(x, BOS)[:, positions].to(device)}
+                      if args.data == "packed" else {})
             x, y = x[:, positions].to(device), y[:, positions].to(device)  # CP: this rank's pieces
             # --- DDP: accumulate gradients without communicating ---
             # no_sync() skips the all-reduce; it must cover forward *and* backward: forward is
@@ -372,7 +372,7 @@ def train(args, rank, world_size, device):
             with ddp_model.no_sync() if micro < args.accum_steps - 1 else contextlib.nullcontext():
                 with record_function("forward"):
                     # where in the sequence each token of x is (not 0, 1, ... on this rank)
-                    loss = loss_fn(ddp_model(x, positions=where, docs=packed), y, reduction="sum")
+                    loss = loss_fn(ddp_model(x, positions=where, **packed), y, reduction="sum")
                     loss = loss * world_size / tokens
                     loss = loss + balance(model, args, y, dist.group.WORLD) / args.accum_steps
                 with record_function("backward"):

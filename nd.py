@@ -217,7 +217,7 @@ def evaluate(stages, owner, mesh, shards, dataset, batch_size, hidden, dtype, po
     with torch.no_grad():  # no graph, no activations kept: evaluation needs far less memory
         for x, y in loader:
             # Forwarded whole, then cut (the last could be empty); CP: this rank's tokens
-            docs = documents(x.to(device), BOS)[:, positions] if packed else None  # from them whole
+            docs = documents(x.to(device), BOS)[:, positions] if packed else None  # before the cut
             x, y = x.to(device)[:, positions], y[:real].to(device)[:, positions]
             real -= len(y)
             mine = iter(stages)

@@ -35,7 +35,11 @@ def check_model(parser, args, ranks=None, cut=None):
         parser.error(f"--data packed: {name} has no `bos` (the token that begins a document, "
                      "which SimpleModel's forward reads to keep documents apart), so its "
                      "attention would cross them; give it one, or use --data padded or prompt")
-    samples = len(common.make_dataset("train"))  # the dataset's size: the data's, not a constant
+    try:  # the dataset's size: the data's, not a constant
+        samples = len(common.make_dataset("train", getattr(args, "data", "repeat")))
+    except TypeError as e:  # a make_dataset(split) of yours, from before --data
+        parser.error(f"make_dataset takes (split, kind), kind being --data's ({e}); add "
+                     "kind=\"repeat\" to yours (docs/questions.md#putting-your-own-model-in)")
     if args.batch_size > samples:
         parser.error(f"--batch-size {args.batch_size} is larger than the dataset ({samples} "
                      f"samples); use at most {samples}")
@@ -65,7 +69,8 @@ def check_model(parser, args, ranks=None, cut=None):
                      f"replaces moe.run_experts; {name}'s blocks hold no such mixture (Hugging "
                      "Face's fused experts are one module of 3-D weights): use ddp.py or fsdp.py")
     if args.experts and not hasattr(model, "routed"):  # balance() reads the mixture's routing
-        parser.error(f"--experts {args.experts}: {name} has no mixture of experts (no routed()); "
+        parser.error(f"--experts {args.experts}: {name} has no mixture of experts (no "
+                     "routed(counted)); "
                      "drop --experts")
     holders = {}  # a parameter's names: two or more where it is tied
     for path, p in model.named_parameters(remove_duplicate=False):

@@ -118,7 +118,7 @@ def probe(parser, args, name, split, cut):
     with torch.random.fork_rng(devices=[]):  # the CPU's generator only
         torch.manual_seed(0)
         model = common.SimpleModel.from_args(args).to(dtype)
-    data = common.make_dataset("train")
+    data = common.make_dataset("train", getattr(args, "data", "repeat"))
     x = torch.stack([data[i][0] for i in range(4)])
     try:
         paths = {m: path for path, m in model.named_modules()}
@@ -160,6 +160,8 @@ def probe(parser, args, name, split, cut):
         if cut is not None:
             stages = getattr(args, "stages", None) or 2
             kwargs = {"positions": torch.arange(x.shape[1])} if "cp" in args else {}
+            if getattr(model, "bos", None) is not None:  # packed: every stage takes them
+                kwargs["docs"] = common.documents(x, model.bos)
             try:
                 parts = [cut(model, i, stages) for i in range(stages)]
                 held = [n for part in parts for n, _ in part.named_parameters()]

@@ -202,8 +202,8 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
         else:
             loss, grads = 0.0, []
             for r in range(ranks):
-                part = (token_sum(forward(w, x[batch[r::ranks]], heads, bos=bos)[0], y[batch[r::ranks]])
-                        * ranks / count)
+                shard = batch[r::ranks]
+                part = token_sum(forward(w, x[shard], heads, bos=bos)[0], y[shard]) * ranks / count
                 grads.append(torch.autograd.grad(part, params))
                 loss += part.detach() / ranks
             for p, *g in zip(params, *grads):

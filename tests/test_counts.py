@@ -122,3 +122,24 @@ def test_each_family_divides_by_the_global_count_and_equals_the_fp64_oracle(runs
     # and not the mean over every target, padding's included (the divisor evaluation had)
     _, y = data("val", kind).tensors
     assert abs(exact * (y != -100).sum().item() / y.numel() - exact) > 100 * VAL_TOL
+
+
+def test_a_make_dataset_from_before_data_and_packed_data_for_a_model_without_bos_are_refused(
+        monkeypatch, capsys):
+    """A user's make_dataset(split), without --data's kind, is refused in one line naming the
+    fix, before any process starts; so is --data packed for a model that does not say where its
+    documents begin (no `bos`): its attention would cross them."""
+    from conftest import refused_in_one_line
+    shared = common.make_dataset
+    monkeypatch.setattr(common, "make_dataset", lambda split: shared(split))
+    refused_in_one_line("ddp", ["--nproc=2"], "make_dataset takes (split, kind)", capsys)
+    monkeypatch.setattr(common, "make_dataset", shared)
+
+    class Unpacked(common.SimpleModel):
+        def __init__(self, *args):
+            super().__init__(*args)
+            del self.bos
+
+    monkeypatch.setattr(common, "SimpleModel", Unpacked)
+    refused_in_one_line("cp", ["--nproc=2", "--data=packed"], "--data packed: Unpacked has no "
+                        "`bos`", capsys)

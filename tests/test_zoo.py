@@ -215,7 +215,7 @@ MISTAKES = {
     # The count's mistakes, shown on data whose counts differ (COUNTED: their --data)
     "the mean of the ranks' means": ("ddp.py", [(
         "        dist.all_reduce(tokens)\n",
-        "        pass  # (mistake) each rank divides by its own count\n")]),
+        "        tokens = tokens * world_size  # (mistake) each rank's own count, as if all alike\n")]),
     "the mean of the micro-batches' means": ("pipeline.py", [(
         "            return loss_fn(output, target, reduction=\"sum\") * args.microbatches / "
         "tokens\n",
@@ -225,7 +225,7 @@ MISTAKES = {
         "                loss = loss_fn(model(x), y) / args.accum_steps  # (mistake)\n")]),
     "CP: divided by each rank's own tokens": ("cp.py", [(
         "        dist.all_reduce(tokens)\n",
-        "        pass  # (mistake) each rank divides by its own pieces' count\n")]),
+        "        tokens = tokens * world_size  # (mistake) its own pieces' count, as if all alike\n")]),
     "CP: a packed document attending across its boundary": ("cp.py", [(
         "        may_see = may_see & (docs[:, None, :, None] == all_docs.mT)\n",
         "        pass  # (mistake) causal by position only\n")]),
@@ -664,9 +664,6 @@ def test_a_mesh_built_tp_first_is_refused_in_one_line_where_tp_would_span_machin
         module.make_mesh(types.SimpleNamespace(pp=2, cp=1, tp=2), 8, torch.device("cpu"))
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
-
 
 def missed_where_the_counts_differ(launched, name):
     """The launched mistake `name` ends away from one device trained on its data (COUNTED)."""
@@ -715,3 +712,7 @@ def test_padding_counted_in_evaluation_misses_the_exact_held_out_loss(launched):
                                JOB["blocks"], JOB["heads"],
                                data=common.make_dataset("val", "padded"))
     assert abs(summary_val_loss(out) - exact) > 100 * VAL_TOL
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
