@@ -140,10 +140,10 @@ MISTAKES = {
         "                g.mul_(factor)\n"), (
         "grad_norm.full_tensor().item(),", "grad_norm.item(),")]),
     "CP: positions not offset per piece": ("cp.py", [(
-        "loss_fn(ddp_model(x, positions=where, docs=packed), y, reduction=\"sum\")\n",
-        "loss_fn(ddp_model(x, docs=packed), y, reduction=\"sum\")\n"), (
-        "            logits = model(x, positions=positions.to(device), docs=docs)[:len(y)]\n",
-        "            logits = model(x, docs=docs)[:len(y)]\n")]),
+        "loss_fn(ddp_model(x, positions=where, **packed), y, reduction=\"sum\")\n",
+        "loss_fn(ddp_model(x, **packed), y, reduction=\"sum\")\n"), (
+        "            logits = model(x, positions=positions.to(device), **docs)[:len(y)]\n",
+        "            logits = model(x, **docs)[:len(y)]\n")]),
     "CP: loss averaged over a rank's own tokens": ("cp.py", [(
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)\n",
         "            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG,\n"
