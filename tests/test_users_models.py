@@ -118,7 +118,7 @@ class NoAttend(common.SimpleModel):  # an attention that never calls attend (GPT
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for block in self.blocks.values():
-            block.attn.forward = lambda x, a=block.attn: a.o(
+            block.attn.forward = lambda x, docs=None, a=block.attn: a.o(  # Block passes docs
                 F.scaled_dot_product_attention(*(p(x).view(*x.shape[:2], -1, a.head_width)
                                                  .transpose(1, 2) for p in (a.q, a.k, a.v)),
                                                is_causal=True).transpose(1, 2).flatten(2))
