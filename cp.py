@@ -18,6 +18,11 @@ What it teaches
       log-sum-exp (the softmax of the whole row, assembled from each block's own: flash
       attention's trick). With a fused kernel a rank holds two blocks at a time, never the
       whole sequence's K and V; here autograd keeps every block it received for backward.
+    - --cp-method ulysses (DeepSpeed-Ulysses): an all-to-all trades each rank's tokens of every
+      head for every token of 1/C of the heads; each rank attends its heads over the whole
+      sequence with the model's own attention, and a second all-to-all trades the output back
+      (each one's backward is the opposite trade). C must cut the heads into whole ones
+      (grouped K/V heads too, or be a multiple of them: copies); other counts are refused.
     Load balance: under the causal mask a late token attends to many keys and an early one to
     few, so with contiguous pieces the last rank would do C times the first's work (and the
     first would sit idle). The sequence is cut into 2C chunks and rank i takes chunks i and
@@ -37,6 +42,8 @@ When to use it
     on a device even with activation checkpointing: long-context training, 100k tokens and
     more. The exchanges (K and V, per layer) grow with the length; attention's compute grows
     with its square, so the longer the sequence, the better the ring hides them behind it.
+    Ulysses sends the least as C grows (each rank 4 (C-1)/C of its S/C tokens' activations per
+    block), but its C stops at the heads; the ring and the all-gather have no such cap.
 When not
     Short sequences (ours: 16 tokens): the exchanges cost more than the attention they split;
     split the batch instead (ddp.py, fsdp.py). PyTorch's own context_parallel() runs the ring
@@ -48,6 +55,7 @@ Launch
     python cp.py                                   # starts its own workers: 1 per GPU, or 2
     torchrun --nproc_per_node=2 cp.py              # each sequence in 2 pieces (all-gather)
     torchrun --nproc_per_node=2 cp.py --cp-method ring
+    torchrun --nproc_per_node=4 cp.py --cp-method ulysses   # one head of the 4 per rank
     torchrun --nproc_per_node=4 cp.py --cp 2       # dp 2 x cp 2: two groups, 2 pieces each
     torchrun --nproc_per_node=2 cp.py --fp64       # float64: within 1e-9 of single.py --fp64
     torchrun --nproc_per_node=4 cp.py --checkpoint ckpt.pt   # resumes on any --cp, and in nd.py
@@ -61,6 +69,7 @@ Docs
     https://pytorch.org/tutorials/prototype/context_parallel.html (PyTorch's, CUDA only)
     https://arxiv.org/abs/2310.01889 (ring attention)
     https://arxiv.org/abs/2407.21783 (Llama 3: all-gather CP, the load-balanced chunks)
+    https://arxiv.org/abs/2309.14509 (DeepSpeed-Ulysses)
     docs/long-sequences.md (CP inside nd.py's mesh, FSDP x CP among it)
 Tested with torch 2.10.0 (the oldest that requirements.txt admits), 2.13.0 and 2.15.0, on CPU/gloo.
 """
@@ -94,8 +103,9 @@ def parse_args(argv=None):
     hardware = parser.groups["hardware"]
     hardware.add_argument("--cp", type=positive(int), default=None, help="ranks per context-"
                           "parallel group, each with 1/CP of every sequence (default: all)")
-    hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
-                          help="how attention reaches the other ranks' keys and values")
+    hardware.add_argument("--cp-method", choices=["allgather", "ring", "ulysses"],
+                          default="allgather",
+                          help="how attention reaches the tokens the other ranks hold")
     args = parser.parse_args(argv)
     check_shared_flags(parser, args)  # and their checks: one line that names the fix
     world_size = launch_world(parser, args, data_parallel=False)[0]  # torchrun's, or --nproc
@@ -283,18 +293,59 @@ def attend_ring(q, k, v, docs=None, *, group):
     return torch.cat([merge(part) for part in parts], dim=-2).to(q.dtype)  # as it came in
 
 
+class AllToAll(torch.autograd.Function):
+    """x cut in C along dim `scatter`, piece i sent to rank i of `group`; the C pieces received
+    joined along dim `gather`, in rank order. Backward: the same trade back, the dims swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter, gather):
+        ctx.group, ctx.dims = group, (gather, scatter)
+        return all_to_all(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.group, *ctx.dims), None, None, None
+
+
+def all_to_all(x, group, scatter, gather):
+    pieces = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter))  # piece i: rank i's
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces, group=group)  # dim 0 split evenly over the ranks
+    return torch.cat(received.unbind(), dim=gather)
+
+
+def attend_ulysses(q, k, v, docs=None, *, group, all_positions):
+    """Causal attention of every token of the sequence for 1/C of the heads (DeepSpeed-Ulysses):
+    trade this rank's tokens of every head for every token of its heads, attend, trade back."""
+    cp = dist.get_world_size(group)
+    if k.shape[1] < cp:  # GQA with fewer K/V heads than ranks: copies, one per rank
+        k, v = (t.repeat_interleave(cp // t.shape[1], dim=1) for t in (k, v))
+    # (batch, heads, my tokens, width) -> (batch, heads/C, all tokens, width): rank i gets the
+    # i-th C-th of the heads, the tokens joined in rank order, which all_positions lists.
+    q = AllToAll.apply(q, group, 1, 2)
+    k, v = AllToAll.apply(torch.stack([k, v]), group, 2, 3)  # one collective for both
+    # GQA: each K/V head serves the query heads beside it (rank i's queries read rank i's)
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    may_see = all_positions <= all_positions[:, None]  # causal by position, as allgather's
+    if docs is not None:  # packed: every token's document, a small all-gather
+        all_docs = AllGather.apply(docs[:, None, :, None], group)  # (batch, 1, all tokens, 1)
+        may_see = may_see & (all_docs == all_docs.mT)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=may_see)
+    return AllToAll.apply(out, group, 2, 1)  # back: my tokens, every head
+
+
 def cut_sequences(model, mesh, method):
     """Make each block's attention reach across mesh["cp"]; return this rank's tokens' positions."""
     group, cp_rank, cp = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh["cp"].size()
     positions, where = token_positions(cp_rank, cp), next(model.parameters()).device
+    all_positions = torch.cat([token_positions(r, cp) for r in range(cp)]).to(where)
+    attend = {"allgather": functools.partial(attend_allgather, group=group, all_positions=
+                                             all_positions, positions=positions.to(where)),
+              "ring": functools.partial(attend_ring, group=group),
+              "ulysses": functools.partial(attend_ulysses, group=group,
+                                           all_positions=all_positions)}[method]
     for block in model.blocks.values():
-        if method == "allgather":
-            all_positions = torch.cat([token_positions(r, cp) for r in range(cp)])
-            block.attn.attend = functools.partial(
-                attend_allgather, group=group, positions=positions.to(where),
-                all_positions=all_positions.to(where))
-        else:
-            block.attn.attend = functools.partial(attend_ring, group=group)
+        block.attn.attend = attend
     return positions
 # --- end ---
 

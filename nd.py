@@ -100,8 +100,9 @@ def parse_args(argv=None):
     hardware.add_argument("--tp", type=positive(int), default=2, help="ranks per TP group")
     hardware.add_argument("--cp", type=positive(int), default=1, help="ranks per context-"
                           "parallel group, each with 1/CP of every sequence (cp.py)")
-    hardware.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
-                          help="how attention reaches the other CP ranks' keys and values")
+    hardware.add_argument("--cp-method", choices=["allgather", "ring", "ulysses"],
+                          default="allgather", help="how attention reaches the other CP ranks' "
+                          "tokens (cp.py's)")
     pipe.add_argument("--microbatches", type=positive(int), default=None,
                       help="micro-batches per step, the pipeline's accumulation (default 4)")
     pipe.add_argument("--schedule", choices=list(SCHEDULES), default=None,

@@ -49,11 +49,14 @@ SENT = {"all_reduce": lambda p, n: 2 * (n - 1) / n * p,
         # (n-1)/n of it per rank, on average over the roots, as every rank broadcasts its share
         "broadcast": lambda p, n: (n - 1) / n * p,
         # point to point (cp.py's ring): a send carries its tensor once; a receive sends nothing
-        "send": lambda p, n: p, "recv": lambda p, n: 0.0}
+        "send": lambda p, n: p, "recv": lambda p, n: 0.0,
+        # an all-to-all (cp.py's Ulysses): a rank keeps its own 1/n piece and sends the rest
+        "all_to_all": lambda p, n: (n - 1) / n * p}
 # the same collectives under the names other calls record (DTensor's, all_gather_into_tensor)
 ALIASES = {"all_gather_into_tensor": "all_gather", "_allgather_base": "all_gather",
            "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-           "allreduce": "all_reduce"}
+           "allreduce": "all_reduce", "all_to_all_single": "all_to_all",
+           "alltoall_base": "all_to_all"}
 TYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
 
 

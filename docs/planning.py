@@ -161,6 +161,15 @@ def plan(name, pp, dp, tp, recompute, cp=1, seq=SEQ, batch=BATCH):
     # (reduce-scatter; the ring: C - 1 hops). A recomputed forward gathers again.
     cp_step = (cp - 1) * kv_piece(m, tokens, tp)
     cp_sent = cp_step * layers_here * micro * (3 if recompute else 2)
+    # Ulysses instead (cp.py --cp-method ulysses): per block and micro-batch, forward, (C-1)/C
+    # of the rank's q, k, v (traded for heads) and of the attention's output (traded back);
+    # backward, as much. K and V hold at least one head per CP rank (GQA: copies). None where
+    # C does not cut the heads of a TP rank.
+    kv_wide = max(m["kv_heads"] // tp, cp) * h // m["heads"]
+    ulysses = m["heads"] // tp % cp == 0 and (m["kv_heads"] // tp % cp == 0
+                                              or cp % (m["kv_heads"] // tp) == 0)
+    ulysses_sent = ((cp - 1) / cp * tokens * (2 * h // tp + 2 * kv_wide) * 2 * layers_here
+                    * micro * (3 if recompute else 2)) if ulysses else None
     # PP: a middle stage sends each micro-batch's output on and its input's gradient back
     pp_sent = 2 * micro * tokens * h * 2 if pp > 1 else 0
     # 6 FLOPs per parameter and token; the long-context table adds causal attention's scores
@@ -170,7 +179,9 @@ def plan(name, pp, dp, tp, recompute, cp=1, seq=SEQ, batch=BATCH):
     compute = flops * batch * seq / (pp * dp * cp * tp) / (MFU * PEAK)  # seconds
     return dict(params=params, state=state, gathered=gathered, acts=acts, kv_held=kv_held,
                 total=state + gathered + acts, tp_sent=tp_sent, dp_sent=dp_sent,
-                cp_sent=cp_sent, cp_step=cp_step, pp_sent=pp_sent, tp_s=tp_sent / link(tp, 1),
+                cp_sent=cp_sent, cp_step=cp_step, pp_sent=pp_sent, ulysses_sent=ulysses_sent,
+                ul_s=ulysses_sent / link(cp, tp) if ulysses_sent else None,
+                tp_s=tp_sent / link(tp, 1),
                 dp_s=dp_sent / link(shards, tp), cp_s=cp_sent / link(cp, tp),
                 pp_s=pp_sent / link(pp, dp * cp * tp), bubble=(pp - 1) / (micro + pp - 1),
                 compute=compute)
@@ -213,8 +224,9 @@ def long_context():
            "CP all-gather)\n",
            "| GPUs | pp x dp x cp x tp | state | gathered weights | activations (recompute) | "
            "of which others' K, V | per rank (recompute) | fits 80 GB? | K, V a CP step sends | "
-           "CP sends | TP sends | FSDP sends | PP sends | bubble (1F1B) | compute |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "CP sends | Ulysses would send | TP sends | FSDP sends | PP sends | bubble (1F1B) | "
+           "compute |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for gpus, layouts in LONG_LAYOUTS.items():
         for pp, dp, cp, tp in layouts:
             if pp * dp * cp * tp != gpus or LONG_BATCH % dp:
@@ -224,8 +236,9 @@ def long_context():
             row = full if full["total"] < USABLE * GPU_BYTES else ac
             fits = ("yes" if row is full else
                     "with recompute" if ac["total"] < USABLE * GPU_BYTES else "no")
-            sends = [f"{row[k] / GB:,.1f} GB, {row[k[:3] + 's']:.1f} s" if row[k] else "-"
-                     for k in ("cp_sent", "tp_sent", "dp_sent", "pp_sent")]
+            sends = [f"{row[k] / GB:,.1f} GB, {row[k[:2] + '_s']:.1f} s" if row[k] else
+                     "-" if cp == 1 or k != "ulysses_sent" else "no: heads"
+                     for k in ("cp_sent", "ulysses_sent", "tp_sent", "dp_sent", "pp_sent")]
             step = f"{row['cp_step'] / 2**20:,.0f} MiB" if cp > 1 else "-"
             out.append(
                 f"| {gpus} | {pp} x {dp} x {cp} x {tp} | {full['state'] / GB:.1f} GB | "

@@ -1,8 +1,10 @@
 """Measure docs/long-sequences.md: plain TP, TP + SP, TP + SP + loss parallelism, and CP by
-all-gather and by ring, on 2 and 4 ranks, on sequences long enough that attention dominates.
+all-gather, by ring and by Ulysses' all-to-all, on 2 and 4 ranks, on sequences long enough
+that attention dominates.
 
     python docs/sequences.py                  # the table (about 10 minutes on 2 cores)
     python docs/sequences.py --seq-len 512    # another length
+    python docs/sequences.py --only "CP, all-gather" "CP, ring" "CP, Ulysses"   # CP's three
 
 Each run is a script launched by torchrun *through this file*, which first lengthens the
 sequences (common.SEQ_LEN, the data's period, a small held-out set: the position embedding
@@ -36,6 +38,7 @@ CONFIGS = {  # name: (script, flags)
     "TP + SP + loss parallel": ("tp.py", ["--sequence-parallel", "--loss-parallel"]),
     "CP, all-gather": ("cp.py", ["--cp-method=allgather"]),
     "CP, ring": ("cp.py", ["--cp-method=ring"]),
+    "CP, Ulysses": ("cp.py", ["--cp-method=ulysses"]),
 }
 
 
@@ -95,15 +98,15 @@ def launch(n, seq_len, script, flags):
     return result.stdout
 
 
-def main(seq_len):
+def main(seq_len, only):
     sys.path.insert(0, str(REPO / "docs"))
     from memory import communication
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for n in (1, 2, 4):
             for name, (script, flags) in CONFIGS.items():
-                if n == 1 and name != "CP, all-gather":  # one device: the baseline
-                    continue
+                if n == 1 and name != "CP, all-gather" or n > 1 and only and name not in only:
+                    continue  # one device: the baseline
                 out = launch(n, seq_len, script, flags)
                 summary = next(l for l in out.splitlines() if l.startswith("done | "))
                 trace = os.path.join(folder, str(n) + re.sub(r"\W+", "_", name))
@@ -127,8 +130,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--script", help="(what torchrun starts) run this script, one rank of it")
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), metavar="NAME",
+                        help="these configurations only (and the one device)")
     known, rest = parser.parse_known_args()
     if known.script:
         run_script(known.seq_len, known.script, rest)
     else:
-        main(known.seq_len)
+        main(known.seq_len, known.only)

@@ -186,9 +186,10 @@ def probe(parser, args, name, split, cut):
                 parser.error(f"cp.py replaces each block's attn.attend(q, k, v), and {name}'s "
                              "blocks have none; use ddp.py, or give the attention an attend method")
             try:
-                plain = model(x, positions=torch.arange(x.shape[1]))
+                plain, heads = model(x, positions=torch.arange(x.shape[1])), set()
                 for a in attns:
-                    a.attend = lambda q, k, v, *docs, f=a.attend: 2 * f(q, k, v, *docs)
+                    a.attend = lambda q, k, v, *docs, f=a.attend: heads.add(
+                        (q.shape[1], k.shape[1])) or 2 * f(q, k, v, *docs)
                 moved = gap(model(x, positions=torch.arange(x.shape[1])), plain) > 0
             except TypeError as e:
                 parser.error(f"cp.py calls model(x, positions=...), and {name}'s forward "
@@ -197,7 +198,22 @@ def probe(parser, args, name, split, cut):
                 parser.error(f"cp.py replaces each block's attn.attend, which {name}'s "
                              "forward never calls: each rank would attend within its own "
                              "pieces only; call it")
+            if args.cp_method == "ulysses":  # each rank all of the sequence, 1/C of the heads
+                ulysses_heads(parser, args, name, heads)
     except Exception as e:  # noqa: BLE001 -- any failure of the probe's forward is the reason
         parser.error(f"{name}'s forward fails on {len(x)} training samples in {dtype} on the CPU, "
                      f"where the checks run it ({type(e).__name__}: "
                      f"{(str(e).splitlines() or [''])[0][:90]}); make it run there")
+
+
+def ulysses_heads(parser, args, name, heads):
+    """--cp-method ulysses: refuse query heads (per TP rank) that --cp does not divide, and
+    key/value heads (GQA) that it neither divides nor is a multiple of (copies, one per rank)."""
+    tp = getattr(args, "tp", 1)
+    for q, kv in heads:
+        if q % (tp * args.cp) or (kv // tp) % args.cp and args.cp % (kv // tp):
+            parser.error(f"--cp-method ulysses: each rank attends whole heads, and {name}'s "
+                         f"{q} query and {kv} key/value heads{f' over --tp {tp}' if tp > 1 else ''}"
+                         f" do not cut evenly into --cp {args.cp}; use a --cp dividing "
+                         f"{q // tp}{f' that {kv // tp} divides or is divided by' if kv != q else ''}"
+                         ", or --cp-method ring")

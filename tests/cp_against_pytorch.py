@@ -34,7 +34,7 @@ whole = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causa
 
 cp.SEQ_LEN = SEQ  # cp.token_positions cuts a sequence of this length
 mine = cp.token_positions(rank, world).cuda()
-ours = cp.attend_ring(q[:, :, mine], k[:, :, mine], v[:, :, mine], mesh.get_group("cp"))
+ours = cp.attend_ring(q[:, :, mine], k[:, :, mine], v[:, :, mine], group=mesh.get_group("cp"))
 
 qs, ks, vs, positions = q.clone(), k.clone(), v.clone(), torch.arange(SEQ, device="cuda")
 with torch.no_grad(), context_parallel(mesh, buffers=[qs, ks, vs, positions],

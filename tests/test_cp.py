@@ -28,13 +28,18 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python cp.py`; extra 
     "fp64, 4 ranks, cp 4, ring, accum 2, clip": (4, [
         *fp64(SEED_A, clip=FP64_CLIP), "--cp-method=ring", "--accum-steps=2",
         "--checkpoint={folder}/ckpt.pt"]),
-    # DDP over data x context (dp 2 x cp 2), all-gather, 3 micro-batches per step, through
-    # blocks that recompute their activations (and so gather K and V again in backward), and
-    # a mixture of 4 experts, top-2 (tests/test_moe.py): every token's experts on its own rank,
+    # fp64, Ulysses: each sequence in 4 pieces traded for a head each (4 heads), 2
+    # micro-batches, clipping
+    "fp64, 4 ranks, cp 4, ulysses, accum 2, clip": (4, [
+        *fp64(SEED_B, clip=FP64_CLIP), "--cp-method=ulysses", "--heads=4", "--accum-steps=2"]),
+    # DDP over data x context (dp 2 x cp 2), Ulysses, 3 micro-batches per step, through
+    # blocks that recompute their activations (and so trade again in backward), and a
+    # mixture of 4 experts, top-2 (tests/test_moe.py): every token's experts on its own rank,
     # the balancing loss over all ranks' routing. `python cp.py` starting its own workers is
     # tests/test_defaults.py's
-    "fp64, dp 2 x cp 2, 4 experts, top-2, accum 3, AC, CUDA's Adam": (4, [
-        CUDA_DEFAULTS, *fp64(SEED_B), *moe(4, 2, 3)[0], "--cp=2", "--activation-checkpointing"]),
+    "fp64, dp 2 x cp 2, ulysses, 4 experts, top-2, accum 3, AC, CUDA's Adam": (4, [
+        CUDA_DEFAULTS, *fp64(SEED_B), *moe(4, 2, 3)[0], "--cp=2", "--cp-method=ulysses",
+        "--heads=4", "--activation-checkpointing"]),
     # FSDP x CP, nd.py's: FSDP over data x context (dp 2 x cp 2), no pipeline (one stage), 3
     # micro-batches, recomputed blocks, CUDA's Adam; its checkpoint (step 40, gathered from the
     # shards) is continued by cp.py's DDP below
@@ -42,9 +47,9 @@ RUNS = {  # name: (ranks, conftest.ranks_cmd, or None for `python cp.py`; extra 
         CUDA_DEFAULTS, *fp64(SEED_B), *FSDP_CP, "--microbatches=3",
         "--activation-checkpointing", "--checkpoint={folder}/fsdp.pt"], "nd.py"),
 }
-FP64_RUNS = {name: (seed, clip, mixture) for name, seed, clip, mixture in zip(
-    list(RUNS)[1:], (SEED_A, SEED_B, SEED_B), (FP64_CLIP, None, None),
-    ({}, moe(4, 2, 3)[1], {}))}
+FP64_RUNS = {name: (seed, clip, model) for name, seed, clip, model in zip(
+    list(RUNS)[1:], (SEED_A, SEED_B, SEED_B, SEED_B), (FP64_CLIP, FP64_CLIP, None, None),
+    ({}, {"heads": 4}, {**moe(4, 2, 3)[1], "heads": 4}, {}))}
 
 
 early_launches = early_runs("cp.py", RUNS)  # queued when the tests are collected
@@ -65,12 +70,12 @@ def test_cp_on_2_ranks_equals_one_device_in_fp32(runs, reference, reference_val)
 
 
 @pytest.mark.parametrize("name", FP64_RUNS)
-def test_fp64_ring_allgather_and_fsdp_x_cp_with_accumulation_clipping_and_ac_equal_the_oracle(
+def test_fp64_ring_ulysses_and_fsdp_x_cp_with_accumulation_clipping_and_ac_equal_the_oracle(
         name, runs):
     """Weights to 1e-9, and every printed loss, gradient norm and validation loss to the
     digits printed (conftest.assert_fp64_run_equals_the_fp64_oracle)."""
-    seed, clip, mixture = FP64_RUNS[name]
-    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **mixture)
+    seed, clip, model = FP64_RUNS[name]
+    assert_fp64_run_equals_the_fp64_oracle(succeeded(runs[name]), seed, clip=clip, **model)
 
 
 def test_fp64_checkpoints_resume_across_cp_py_and_nd_pys_fsdp_x_cp_and_any_cp(runs, tmp_path):
@@ -113,6 +118,16 @@ def test_a_loss_divided_by_the_batchs_tokens_trains_right_with_fsdps_division_of
                                f"--save={tmp_path / 'w.pt'}"), env={"PYTHONPATH": str(REPO)}))
     assert max_diff(load_saved(tmp_path / "w.pt"), reference[1]) < TOL
     assert_norms_are_the_oracles(out, reference[3])
+
+
+@pytest.mark.quick
+def test_ulysses_attention_equals_whole_attention_with_gqa_and_documents():
+    """Ulysses' two all-to-alls and its attention between them, forward and backward, against
+    attention over the whole sequence in float64 to 1e-12: 8 query heads over 8, 4, 2 or 1
+    key/value heads (GQA, copied where the ranks outnumber them), C = 4 and 2, with packed
+    documents and without (tests/ulysses_gqa.py). SimpleModel has no GQA: a model of yours may."""
+    out = ok(launch(*ranks_cmd(4, REPO / "tests" / "ulysses_gqa.py", "--device=cpu")))
+    assert "largest gap" in out
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
@@ -175,6 +190,9 @@ def test_ring_attention_on_bf16_inputs_is_within_the_gpu_tests_tolerance(seed):
                               "chunks"),
     (4, ["--cp=2", "--batch-size=63"], "--batch-size 63 must be divisible by the 2 CP group(s)"),
     (2, ["--heads=6"], "--heads 6 must divide --hidden 64"),
+    # Ulysses gives each rank whole heads: the model's heads, read off its attend's q and k
+    (4, ["--cp-method=ulysses", "--heads=2"], "--cp-method ulysses: each rank attends whole "
+     "heads, and SimpleModel's 2 query and 2 key/value heads do not cut evenly into --cp 4"),
 ])
 def test_bad_cp_flags_are_refused_in_one_line_before_any_process_group(world, flags, message,
                                                                        as_torchrun, capsys):

@@ -34,14 +34,15 @@ ORACLE = {"blocks": 4, "heads": 4}
 # name: (seed, clip, flags). Every schedule on 8 ranks, on flags nobody chose: 2 to 6
 # micro-batches, clipping by the whole gradient's norm over every dimension, recomputed blocks
 # (under a split backward too), CUDA's Adam. Three of the four dimensions at a time, so that
-# every pair meets: pp x cp x tp (all-gather under gpipe, the ring under a V), pp x dp x cp
+# every pair meets: pp x cp x tp (Ulysses under gpipe, the ring under a V), pp x dp x cp
 # (1f1b: FSDP over dp x cp, data dealt over dp), pp x dp x tp (the others). gpipe's
 # checkpoint (step 8, with CP) is continued below on a mesh without it, and by single.py.
 # (All four at once, 2 x 2 x 2 x 2, is 16 processes: no pair it adds.)
 CP = ["--cp=2", "--tp=1"]
 SCHEDULES = {
-    "gpipe, pp x cp x tp, 3 micro-batches, clip": (SEED_A, FP64_CLIP, [
-        "--schedule=gpipe", "--microbatches=3", "--cp=2", "--checkpoint={folder}/nd.pt"]),
+    "gpipe, pp x cp x tp, ulysses, 3 micro-batches, clip": (SEED_A, FP64_CLIP, [
+        "--schedule=gpipe", "--microbatches=3", "--cp=2", "--cp-method=ulysses",
+        "--checkpoint={folder}/nd.pt"]),
     "1f1b, pp x dp x cp, ring, 2 micro-batches, CUDA's Adam": (SEED_B, None, [
         CUDA_DEFAULTS, "--schedule=1f1b", "--microbatches=2", *CP, "--cp-method=ring"]),
     "interleaved-1f1b, 6 micro-batches, clip": (SEED_B, FP64_CLIP, [
@@ -79,7 +80,7 @@ def test_fp64_checkpoint_resumes_on_another_mesh_and_in_single_py(runs, tmp_path
     """gpipe's checkpoint of pp 2 x cp 2 x tp 2 (step 8) continued to step 16, across an epoch,
     on 2 (pp) x 2 (dp) x 1 (cp) x 1 (tp) ranks, 2 stages each, and by single.py: each ends
     within 1e-9 of 16 uninterrupted steps on one device."""
-    written = runs["gpipe, pp x cp x tp, 3 micro-batches, clip"][1].parent / "nd.pt"
+    written = runs["gpipe, pp x cp x tp, ulysses, 3 micro-batches, clip"][1].parent / "nd.pt"
     for copy in ("mesh.pt", "single.pt"):
         shutil.copy(written, tmp_path / copy)
     assert_checkpoints_resume_to_the_oracle("nd.py", {
