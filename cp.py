@@ -324,8 +324,8 @@ def attend_ulysses(q, k, v, docs=None, *, group, all_positions):
     # i-th C-th of the heads, the tokens joined in rank order, which all_positions lists.
     q = AllToAll.apply(q, group, 1, 2)
     k, v = AllToAll.apply(torch.stack([k, v]), group, 2, 3)  # one collective for both
-    # GQA: each K/V head serves the query heads beside it (rank i's queries read rank i's)
-    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if k.shape[1] < q.shape[1]:  # GQA: a K/V head serves the query heads beside it, here too
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     may_see = all_positions <= all_positions[:, None]  # causal by position, as allgather's
     if docs is not None:  # packed: every token's document, a small all-gather
         all_docs = AllGather.apply(docs[:, None, :, None], group)  # (batch, 1, all tokens, 1)

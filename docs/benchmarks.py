@@ -8,6 +8,7 @@
     python docs/benchmarks.py ep-save    # ep.py's rank 0 in a save
     python docs/benchmarks.py by-hand    # each wrapper against its twin in from_scratch/
     python docs/benchmarks.py count      # what the global count of targets costs a step
+    python docs/benchmarks.py slow-link  # ddp.py against diloco.py over a slowed link
 
 Every command runs with OMP_NUM_THREADS=1 (one thread per process, as torchrun sets it for
 several ranks) at a size where the weights dominate, and reads samples/s from the summary line
@@ -401,10 +402,91 @@ def count(reps=3, batch=128):
     medians(rows, 3)
 
 
+# A slow link, emulated (slow_link): every all-reduce first waits for the time its bytes take
+# over a ring at SLOW_LINK_BITS bits/s, 2(N-1)/N x its bytes sent per rank, before it starts
+# (no overlap with compute, for DDP's buckets either): torch.distributed.all_reduce, patched,
+# which diloco.py's pseudo-gradient, the loss and the count call, and DDP's buckets through
+# torch's allreduce_hook registered as its communication hook (which calls it too). Every
+# rank adds the bytes it all-reduced to SLOW_LINK_LOG. Put on the workers' PYTHONPATH as sitecustomize.py, so neither
+# script holds a line of it.
+SLOW_LINK = """
+import atexit, os, time
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+BITS, SENT = float(os.environ["SLOW_LINK_BITS"]), [0]
+
+
+def wait(tensor):
+    size = tensor.numel() * tensor.element_size()
+    SENT[0] += size
+    n = dist.get_world_size()
+    if BITS:
+        time.sleep(8 * size * 2 * (n - 1) / n / BITS)
+
+
+real_all_reduce = dist.all_reduce
+
+
+def all_reduce(tensor, *args, **kwargs):
+    wait(tensor)
+    return real_all_reduce(tensor, *args, **kwargs)
+
+
+real_init = DistributedDataParallel.__init__
+
+
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    self.register_comm_hook(None, allreduce_hook)  # dist.all_reduce: the one above
+
+
+dist.all_reduce, DistributedDataParallel.__init__ = all_reduce, init
+
+
+@atexit.register
+def log():
+    with open(os.environ["SLOW_LINK_LOG"], "a") as f:
+        f.write(f"{os.environ.get('RANK')} {SENT[0]}\\n")
+"""
+
+
+def slow_link(reps=1, batch=128, inner_steps=5):
+    """ddp.py against diloco.py (--inner-steps 5) on 2 ranks, over a link slowed to each
+    bandwidth (SLOW_LINK): samples/s, ms/step, and the bytes each rank all-reduced per step."""
+    import tempfile
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(SLOW_LINK)
+    steps = int(next(f for f in SIZE if f.startswith("--steps=")).split("=")[1])
+    rows = []
+    for _ in range(reps):
+        for bits in (0, 10e9, 1e9, 100e6):
+            row = ["unslowed" if not bits else f"{bits / 1e9:g} Gbit/s"]
+            for script, flags in (("ddp.py", []), ("diloco.py", [f"--inner-steps={inner_steps}"])):
+                log = os.path.join(folder, f"{script}.log")
+                if os.path.exists(log):
+                    os.remove(log)
+                (rate, line), = rates(torchrun(2, script, batch, *flags), SLOW_LINK_BITS=str(bits),
+                                      SLOW_LINK_LOG=log, PYTHONPATH=os.pathsep.join(
+                                          p for p in (folder, os.environ.get("PYTHONPATH")) if p))
+                step = float(re.search(r"\| ([0-9.]+) ms/step", line).group(1))
+                sent = max(int(l.split()[1]) for l in open(log))
+                row += [f"{rate:.0f}", f"{step:.1f}", f"{sent / steps / 1e6:.2f}"]
+            row.append(f"{float(row[4]) / float(row[1]):.2f}")
+            rows.append(row)
+    table(f"ddp.py against diloco.py --inner-steps {inner_steps}, 2 ranks, batch {batch}, "
+          "over a slowed link", ["link", "ddp samples/s", "ddp ms/step", "ddp MB/step/rank",
+                                 "diloco samples/s", "diloco ms/step", "diloco MB/step/rank",
+                                 "diloco/ddp"], rows)
+
+
 TABLES = {"ddp": ddp, "tp": tp, "fsdp": fsdp, "pipeline": pipeline,
           "dataparallel": dataparallel, "checkpointing": checkpointing, "compile": compiled,
           "ep": ep, "alltoall": alltoall, "ep-save": ep_save, "by-hand": by_hand,
-          "count": count}
+          "count": count, "slow-link": slow_link}
 
 if __name__ == "__main__":
     import torch

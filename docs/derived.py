@@ -36,7 +36,7 @@ WORDS = ("zero one two three four five six seven eight nine ten eleven twelve th
          "fifteen sixteen seventeen eighteen nineteen twenty twenty-one twenty-two twenty-three "
          "twenty-four twenty-five twenty-six twenty-seven twenty-eight twenty-nine thirty thirty-one "
          "thirty-two thirty-three thirty-four thirty-five thirty-six thirty-seven thirty-eight "
-         "thirty-nine forty").split()
+         "thirty-nine forty forty-one forty-two forty-three forty-four forty-five").split()
 
 
 def parameters(**size):

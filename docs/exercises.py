@@ -11,7 +11,8 @@ precision. Prints the max weight difference and the printed validation loss's di
 exact one; for the fused qkv layer, whose weights have other names, the first step's loss; for
 the CP loss averaged over a rank's own tokens, the last printed loss; for the ring that skips a
 hop, how long the job takes to fail, and its first error line; for the tied weight, against
-single.py on the same tied model (tests/gpt_like.py), not the oracle. The mistakes that no
+single.py on the same tied model (tests/gpt_like.py), not the oracle; for DiLoCo's, against
+reference_diloco (DiLoCo is not one device's training). The mistakes that no
 weight shows (the collective count, the checkpoint's keys, the clipped norm, the mesh built tp
 first, the plan key refused) are measured by their tests.
 """
@@ -30,7 +31,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import common  # noqa: E402
 import conftest  # noqa: E402
 import test_zoo  # noqa: E402
-from reference import reference_train, reference_val_loss  # noqa: E402
+from reference import reference_diloco, reference_train, reference_val_loss  # noqa: E402
 
 CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond the job; steps)
     # (a --clip among the flags clips the oracle too)
@@ -67,6 +68,12 @@ CASES = {  # mistake: (ranks under torchrun, or None for `python`; flags beyond 
     "CP: divided by each rank's own tokens": (2, ["--data=padded"], 40),
     "CP: a packed document attending across its boundary": (2, ["--data=packed"], 40),
     "padding counted in evaluation": (2, ["--data=padded"], 40),
+    # DiLoCo's, against tests/reference.py's reference_diloco (not one device: DiLoCo is not)
+    **{name: (2, ["--inner-steps=4"], 40) for name in test_zoo.MISTAKES
+       if name.startswith("DiLoCo")},
+    # Ulysses': 2 ranks, 2 of the 4 heads each
+    **{name: (2, ["--cp-method=ulysses", "--heads=4"], 40) for name in test_zoo.MISTAKES
+       if name.startswith("Ulysses")},
 }
 TIED = "TP: a tied weight made a DTensor module by module"
 
@@ -113,6 +120,12 @@ def main():
             if name == TIED:  # the oracle: single.py, with the GPT-2 swapped in as a user does
                 oracle, losses, exact = tied_model_oracle(folder / f"{i}{precision}", flags,
                                                           extra, env)
+            elif test_zoo.MISTAKES[name][0] == "diloco.py":  # 4-step rounds, the defaults
+                _, oracle, losses = reference_diloco(
+                    steps, job["batch_size"], job["lr"], job["seed"], job["hidden"],
+                    job["blocks"], heads, ranks=nproc, inner_steps=4, outer_lr=0.7,
+                    outer_momentum=0.9, fp64=precision == "fp64")
+                exact = reference_val_loss(oracle, job["hidden"], job["blocks"], heads)
             else:
                 _, oracle, losses = reference_train(
                     **dict(job, steps=steps, heads=heads), fp64=precision == "fp64", clip=clip,

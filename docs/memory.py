@@ -57,7 +57,8 @@ ALIASES = {"all_gather_into_tensor": "all_gather", "_allgather_base": "all_gathe
            "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
            "allreduce": "all_reduce", "all_to_all_single": "all_to_all",
            "alltoall_base": "all_to_all"}
-TYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
+TYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2,
+              "long int": 8, "int": 4}  # the count of the targets that count: an integer
 
 
 def launch(n, script, flags, env):

@@ -55,6 +55,11 @@ ROWS = {  # label: (ranks under torchrun, or None for `python script`; script; f
     "dp 2 x CP 2, all-gather": (4, "cp.py", ["--cp=2"]),
     "dp 2 x CP 2, ring x --accum-steps 3": (4, "cp.py", ["--cp=2", "--cp-method=ring",
                                                          "--accum-steps=3"]),
+    "CP 2, Ulysses (4 heads)": (2, "cp.py", ["--cp-method=ulysses", "--heads=4"]),
+    "CP 4, Ulysses x --accum-steps 3 (4 heads)": (4, "cp.py", [
+        "--cp-method=ulysses", "--heads=4", "--accum-steps=3"]),
+    "dp 2 x CP 2, Ulysses (4 heads)": (4, "cp.py", ["--cp=2", "--cp-method=ulysses",
+                                                    "--heads=4"]),
     "pipeline GPipe, 2 stages x 4 micro-batches": (2, "pipeline.py", ["--microbatches=4"]),
     "pipeline 1F1B, 3 stages x 6 micro-batches": (3, "pipeline.py", ["--schedule=1f1b",
                                                                     "--microbatches=6"]),

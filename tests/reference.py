@@ -151,7 +151,7 @@ def initial_weights(seed, hidden, blocks, heads, experts=0, top_k=1):
 
 def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=None, ranks=1,
                     fp64=False, norms=None, experts=0, top_k=1, balance=0.01, accum=1,
-                    routed=None, data=None, bos=None):
+                    routed=None, data=None, bos=None, sgd=False):
     """Return (initial state_dict, final state_dict, loss of every step).
 
     clip: if given, the gradient norm is clipped to it before each step (the scripts' --clip).
@@ -168,14 +168,15 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
     list, the tokens each expert got, (blocks, experts), over the whole run, appended at the end.
     data: the training set, if not make_dataset()'s (a user's, with targets of -100). Every
     step's loss is divided by the count of the whole batch's targets that count. bos: the
-    data is packed documents, each begun by this token (forward()).
+    data is packed documents, each begun by this token (forward()). sgd: plain SGD at lr (no
+    momentum) instead of Adam.
     """
     dtype = torch.float64 if fp64 else torch.float32
     initial = {name: t.to(dtype) for name, t in
                initial_weights(seed, hidden, blocks, heads, experts, top_k).items()}
     w = {name: t.clone().requires_grad_() for name, t in initial.items()}
     params = list(w.values())
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = torch.optim.SGD(params, lr=lr) if sgd else torch.optim.Adam(params, lr=lr)
     x, y = (make_dataset() if data is None else data).tensors  # token ids, in any precision
     steps_per_epoch = len(x) // batch_size  # the tail of each epoch is dropped
     losses, tokens = [], 0
@@ -220,6 +221,68 @@ def reference_train(steps, batch_size, lr, seed, hidden, blocks, heads, clip=Non
         routed.append(tokens)
     final = {name: t.detach().clone() for name, t in w.items()}
     return initial, final, losses
+
+
+def reference_diloco(steps, batch_size, lr, seed, hidden, blocks, heads, ranks, inner_steps,
+                     outer_lr, outer_momentum, sgd=False, clip=None, fp64=False, norms=None):
+    """DiLoCo on `ranks` replicas, one after the other in one process. Return (initial weights,
+    the outer weights after the last complete round, each step's loss: the mean of the
+    replicas' losses).
+
+    Replica r trains its own weights on every N-th sample of each global batch from the r-th
+    on (its DistributedSampler shard), its loss the mean over its own shard's targets that
+    count, stepped by its own optimizer (Adam, or plain SGD if `sgd`, at lr, its state never
+    reset), its gradient clipped to `clip` by its own norm. norms: if a list, replica 0's
+    gradient norm (before clipping) of each step is appended. After every inner_steps-th step
+    the pseudo-gradient g = mean over r of (outer - w_r); Nesterov's SGD, written out:
+    buf = m buf + g (buf = g the first time), outer -= outer_lr (g + m buf), or
+    outer -= outer_lr g at m = 0; then every replica's weights are set to the outer ones.
+    """
+    dtype = torch.float64 if fp64 else torch.float32
+    initial = {name: t.to(dtype) for name, t in
+               initial_weights(seed, hidden, blocks, heads).items()}
+    outer = {name: t.clone() for name, t in initial.items()}
+    replicas = [{name: t.clone().requires_grad_() for name, t in initial.items()}
+                for _ in range(ranks)]
+    optimizers = [(torch.optim.SGD if sgd else torch.optim.Adam)(list(w.values()), lr=lr)
+                  for w in replicas]
+    momentum = None
+    x, y = make_dataset().tensors
+    steps_per_epoch = len(x) // batch_size
+    losses = []
+    for step in range(steps):
+        epoch, k = divmod(step, steps_per_epoch)
+        if k == 0:
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
+        batch = order[k * batch_size:(k + 1) * batch_size]
+        loss = 0.0
+        for r, (w, optimizer) in enumerate(zip(replicas, optimizers)):
+            shard = batch[r::ranks]
+            optimizer.zero_grad()
+            part = token_loss(forward(w, x[shard], heads)[0], y[shard])  # its own count
+            part.backward()
+            params = list(w.values())
+            if clip:
+                norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if norms is not None and r == 0:
+                norms.append(norm.item())
+            optimizer.step()
+            loss += part.item() / ranks
+        losses.append(loss)
+        if (step + 1) % inner_steps == 0:
+            with torch.no_grad():
+                g = {name: sum(outer[name] - w[name] for w in replicas) / ranks for name in outer}
+                if outer_momentum:
+                    momentum = (g if momentum is None else
+                                {n: outer_momentum * momentum[n] + g[n] for n in g})
+                    g = {n: g[n] + outer_momentum * momentum[n] for n in g}
+                outer = {n: outer[n] - outer_lr * g[n] for n in outer}
+                for w in replicas:
+                    for name, t in w.items():
+                        t.copy_(outer[name])
+    return initial, outer, losses
 
 
 def reference_val_loss(weights, hidden, blocks, heads, experts=0, top_k=1, data=None,

@@ -149,7 +149,7 @@ def test_checkpoint_with_another_batch_size_is_a_clear_error(tmp_path):
 
 # Bad flags are refused by parse_args before any process starts: called here directly, they
 # exit with argparse's status 2 and one "error:" line naming the flag and the fix.
-SCRIPTS = ["single", "dataparallel", "ddp", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd",
+SCRIPTS = ["single", "dataparallel", "ddp", "diloco", "fsdp", "tp", "amp", "pipeline", "cp", "ep", "nd",
            *(f"from_scratch.{name}" for name in ("ddp", "zero", "fsdp", "tp", "pipeline"))]
 BAD_FLAGS = [
     (["--steps=0"], "--steps: must be greater than 0"),
@@ -185,6 +185,8 @@ DISTRIBUTED_BAD_FLAGS = [
     ("pipeline", ["--device=cuda"], "--device cuda: CUDA is not available here"),
     ("pipeline", ["--backend=nccl", "--device=cpu"], "CPU tensors travel over gloo only"),
     ("fsdp", ["--replicate=3"], "--replicate 3 must divide the world size 2"),
+    ("diloco", ["--outer-momentum=1"], "--outer-momentum 1.0: must be in [0, 1)"),
+    ("diloco", ["--inner-steps=0"], "--inner-steps: must be greater than 0"),
     ("nd", ["--backend=nccl", "--device=cpu"], "CPU tensors travel over gloo only"),
     *[(script, ["--checkpoint=/no/such/c.pt"], "--checkpoint /no/such/c.pt: its folder")
       for script in ("single", "ddp", "amp", "pipeline", "nd")],

@@ -20,7 +20,7 @@ from conftest import (FP64_TOL, REPO, VAL_TOL, assert_norms_are_the_oracles, ear
                       torchrun_cmd)
 from reference import reference_train, reference_val_loss
 
-SCRIPTS = ["single", "dataparallel", "ddp", "zero", "fsdp", "tp", "amp", "pipeline", "cp", "ep",
+SCRIPTS = ["single", "dataparallel", "ddp", "zero", "diloco", "fsdp", "tp", "amp", "pipeline", "cp", "ep",
            "nd",
            *(f"from_scratch.{name}" for name in ("ddp", "zero", "fsdp", "tp", "pipeline"))]
 # Each launched as its docstring says (`python X.py` forked by tests/preloaded.py, which has

@@ -53,7 +53,7 @@ def test_every_section_a_page_links_to_exists(page):
 # The by-hand twins (from_scratch/) are named by their path from the repo's root, without .py.
 BY_HAND = ["from_scratch/ddp", "from_scratch/zero", "from_scratch/fsdp", "from_scratch/tp",
            "from_scratch/pipeline"]
-SCRIPTS = ["single", "dataparallel", "ddp", "zero", "amp", "pipeline", "fsdp", "tp", "cp", "ep",
+SCRIPTS = ["single", "dataparallel", "ddp", "zero", "diloco", "amp", "pipeline", "fsdp", "tp", "cp", "ep",
            "nd", *BY_HAND]
 
 
@@ -124,6 +124,11 @@ DIFF_LIMITS = {
     ("single", "ddp"): 125,
     # the sharded optimizer, its consolidation for a one-device checkpoint: 30
     ("ddp", "zero"): 30,
+    # no wrapper, no global count, no no_sync: each replica steps alone on its own count; the
+    # outer copy and its Nesterov SGD, the inner optimizer's choice, the round's flat
+    # all-reduce and reset, a mid-round checkpoint of every replica gathered to rank 0, the
+    # outer weights evaluated and saved: 175
+    ("ddp", "diloco"): 175,
     # meta device, fully_shard and its order, rank-0 init, the optimizer after it, DCP's save
     # and load at the line (get_state_dict only once a checkpoint is found: its trap); HSDP,
     # --reshard-after-forward and bf16, which are fully_shard's own arguments: 155
@@ -134,11 +139,11 @@ DIFF_LIMITS = {
     # local; fsdp.py's options kept in 2D (HSDP's mesh of the same ranks): 210
     ("fsdp", "tp"): 210,
     # the pieces and their positions, the grid of data x context ranks and the sampler over its
-    # rows, attention across the ranks written out twice (all-gather and ring, each an
-    # autograd function of public collectives), the loss printed over every rank, the count of
-    # a rank's pieces' targets, packed documents masked by position and document across the
-    # ranks (the pieces' docs, gathered; the ring's per chunk pair): 210
-    ("ddp", "cp"): 210,
+    # rows, attention across the ranks written out three times (all-gather, ring and Ulysses'
+    # all-to-all, each an autograd function of public collectives), the loss printed over every
+    # rank, the count of a rank's pieces' targets, packed documents masked by position and
+    # document across the ranks (the pieces' docs, gathered; the ring's per chunk pair): 250
+    ("ddp", "cp"): 250,
     # the all-to-all dispatch and combine (an autograd function of public collectives), the
     # experts cut, every gradient summed over exactly its holders, the clip over the EP group,
     # and the checkpoint in one device's shape, the global count's factor N said for
@@ -162,7 +167,8 @@ DIFF_LIMITS = {
 # pipeline.py changes most of ddp.py: the course reads it as a file (lesson 6), not as a diff.
 
 # Whole files: a technique and its training loop, read in one sitting.
-FILE_LIMITS = {"single": 200, "ddp": 262, "tp": 460}  # tp.py: 2D with fsdp.py's options
+# tp.py: 2D with fsdp.py's options; cp.py: three ways to reach the rest of the sequence
+FILE_LIMITS = {"single": 200, "ddp": 262, "tp": 460, "cp": 505}
 TECHNIQUE_LIMIT = 450  # every other script
 PARSE_ARGS_LIMIT = 30  # the script's own flags and checks; the shared ones are plumbing/'s
 MODEL_LIMIT = 250  # common.py: the model, its data and its loss, read like nanoGPT's model.py

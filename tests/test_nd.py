@@ -176,6 +176,9 @@ def test_the_mesh_puts_each_tp_group_inside_a_machine(world_of_8):
     (8, ["--batch-size=60"], "must be divisible by the 2 pipeline(s) (dp) x --microbatches 4"),
     (8, ["--pp=4", "--schedule=interleaved-1f1b"], "8 stages but --blocks 4"),
     (8, ["--experts=4"], "trains the dense model only"),
+    # Ulysses under TP 2: 2 heads of the 4 per TP rank, which --cp 4 does not cut
+    (16, ["--cp=4", "--cp-method=ulysses"], "SimpleModel's 4 query and 4 key/value heads over "
+     "--tp 2 do not cut evenly into --cp 4"),
 ])
 def test_a_mesh_the_flags_cannot_divide_is_refused_in_one_line(world, flags, message,
                                                                 as_torchrun, capsys):

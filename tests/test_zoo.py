@@ -23,7 +23,7 @@ from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS,
                       early_results, fp64, fp64_reference, launch, load_saved, logged_losses,
                       logged_norms, logged_step_losses, max_diff, mutated, ok, ranks_cmd,
                       refused_in_one_line, run_as_only_rank, run_in_process, summary_val_loss)
-from reference import reference_train, reference_val_loss
+from reference import reference_diloco, reference_train, reference_val_loss
 from test_amp import CLIP, run_seeing_the_gradient_adam_gets
 from test_tp import TiedHead
 
@@ -233,6 +233,30 @@ MISTAKES = {
         "            sums[1] += (y != -100).sum()  # the targets that count: cross_entropy skips "
         "-100s\n",
         "            sums[1] += y.numel()  # (mistake) every target, padding's too\n")]),
+    # DiLoCo's (diloco.py): the outer step
+    "DiLoCo: the pseudo-gradient's sign flipped": ("diloco.py", [(
+        "        pseudo = torch.cat([(o - p).flatten() for o, p in zip(outer.parameters(),\n",
+        "        pseudo = torch.cat([(p - o).flatten() for o, p in zip(outer.parameters(),\n")]),
+    "DiLoCo: the replicas not reset to the outer weights": ("diloco.py", [(
+        "        for p, o in zip(model.parameters(), outer.parameters()):\n"
+        "            p.copy_(o)  # the next round starts from the outer weights, on every replica\n",
+        "        pass  # (mistake) each replica goes on from its own weights\n")]),
+    "DiLoCo: the outer step after every inner step": ("diloco.py", [(
+        "        if (step + 1) % args.inner_steps == 0:",
+        "        if True:  # (mistake) every step ends a round\n        #")]),
+    # Ulysses' (cp.py --cp-method ulysses)
+    "Ulysses: the loss scaled by C twice": ("cp.py", [(
+        "                    loss = loss * world_size / tokens\n",
+        "                    loss = loss * world_size * args.cp / tokens  # (mistake) \"each "
+        "rank saw 1/C\"\n")]),
+    "Ulysses: the trade back with its dimensions swapped": ("cp.py", [(
+        "    return AllToAll.apply(out, group, 2, 1)  # back: my tokens, every head\n",
+        "    return AllToAll.apply(out, group, 1, 2)  # (mistake) cut the heads, join the tokens\n")]),
+    "Ulysses: heads dealt every C-th, joined in blocks": ("cp.py", [(
+        "    pieces = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter))  # piece i: "
+        "rank i's\n",
+        "    cp = dist.get_world_size(group)  # (mistake) piece i: every C-th from i\n"
+        "    pieces = torch.stack(x.unflatten(scatter, (-1, cp)).unbind(scatter + 1))\n")]),
 }
 # The count's mistakes: the data each shows on (where the counts differ per rank, micro-batch,
 # CP piece, and padding is there to count)
@@ -277,6 +301,12 @@ LAUNCHED = {
               [*fp64(SEED, steps=4), f"--data={data}",
                *(["--microbatches=4"] if MISTAKES[name][0] == "pipeline.py" else [])])
        for name, data in COUNTED.items() if MISTAKES[name][0] != "single.py"},
+    # DiLoCo: 2 replicas, rounds of 3 steps (DILOCO), Adam inside, Nesterov outside
+    **{name: (2, [*fp64(SEED, steps=6), "--inner-steps=3"]) for name in MISTAKES
+       if name.startswith("DiLoCo")},
+    # Ulysses: 2 ranks, 2 heads each (JOB's 3 do not cut in 2); every step's norm printed
+    **{name: (2, [*fp64(SEED, steps=4), "--cp-method=ulysses", f"--heads={HEADS}",
+                  "--log-every=1"]) for name in MISTAKES if name.startswith("Ulysses")},
 }
 
 
@@ -712,6 +742,74 @@ def test_padding_counted_in_evaluation_misses_the_exact_held_out_loss(launched):
                                JOB["blocks"], JOB["heads"],
                                data=common.make_dataset("val", "padded"))
     assert abs(summary_val_loss(out) - exact) > 100 * VAL_TOL
+
+
+def diloco_oracle(steps=6):
+    """reference_diloco's (final outer weights, losses) for the DiLoCo mistakes' flags: 2
+    replicas, rounds of 3 steps, diloco.py's default outer lr and momentum, on SEED."""
+    _, final, losses = reference_diloco(
+        steps, FP64_JOB["batch_size"], FP64_JOB["lr"], SEED, JOB["hidden"], JOB["blocks"],
+        JOB["heads"], ranks=2, inner_steps=3, outer_lr=0.7, outer_momentum=0.9, fp64=True)
+    return final, losses
+
+
+def test_a_diloco_pseudo_gradient_of_the_wrong_sign_steps_the_outer_weights_away(launched):
+    """local - outer, not outer - local: the outer step undoes what the replicas learned (and
+    momentum carries it on); the outer weights end worse on the held-out set than the right
+    loop's."""
+    out, path = launched["DiLoCo: the pseudo-gradient's sign flipped"]
+    expected, _ = diloco_oracle()
+    assert max_diff(load_saved(path), expected) > FP64_TOL
+    exact = reference_val_loss(expected, JOB["hidden"], JOB["blocks"], JOB["heads"])
+    assert summary_val_loss(out) > exact + 100 * VAL_TOL
+
+
+def test_diloco_replicas_not_reset_to_the_outer_weights_drift_apart(launched):
+    """Each replica goes on from its own weights: the next pseudo-gradient counts the rounds
+    before again, and the outer weights miss the plain loop's."""
+    _, path = launched["DiLoCo: the replicas not reset to the outer weights"]
+    assert max_diff(load_saved(path), diloco_oracle()[0]) > FP64_TOL
+
+
+def test_a_diloco_outer_step_after_every_inner_step_misses_the_oracle(launched):
+    """Every step ends a round: H = 1 whatever --inner-steps says (and H times the bytes).
+    The first round's loss is the same; the weights are not the plain loop's."""
+    out, path = launched["DiLoCo: the outer step after every inner step"]
+    expected, losses = diloco_oracle()
+    assert logged_losses(out)[0] == pytest.approx(losses[0], abs=1e-6)
+    assert max_diff(load_saved(path), expected) > FP64_TOL
+
+
+def test_a_ulysses_loss_scaled_by_c_twice_prints_c_times_the_gradient_norm(launched):
+    """DDP averages over every rank and the loss is already multiplied by their number: C
+    more ("each rank saw 1/C of the tokens") makes every gradient C = 2 times one device's.
+    Adam divides most of the scale away (only its epsilon sees it), so the weights stay near
+    and the later norms near twice the oracle's; the first step's norm is exactly twice its
+    (the weights still the same), and the loss printed twice."""
+    out, _ = launched["Ulysses: the loss scaled by C twice"]
+    _, _, losses, norms, _ = fp64_reference(SEED, 4, heads=HEADS)
+    printed = logged_norms(out)
+    assert sorted(printed) == [1, 2, 3, 4]
+    assert printed[1] == pytest.approx(2 * norms[0], rel=1e-6)
+    assert all(printed[step] == pytest.approx(2 * norms[step - 1], rel=1e-3) for step in printed)
+    assert logged_step_losses(out)[1] == pytest.approx(2 * losses[0], abs=1e-5)
+
+
+def test_a_ulysses_trade_back_with_its_dimensions_swapped_trains_silently_wrong(launched):
+    """Cutting the output's heads and joining its tokens gives a tensor of the same size: the
+    attention's reshape takes it without a word, and every rank's tokens read other tokens'
+    outputs. It trains (the loss falls) and misses the oracle from the first step."""
+    out, path = launched["Ulysses: the trade back with its dimensions swapped"]
+    assert logged_losses(out)[-1] < logged_losses(out)[0]
+    assert distance(path, steps=4, heads=HEADS) > 1e-3
+
+
+def test_ulysses_heads_dealt_every_c_th_and_joined_in_blocks_miss_the_oracle(launched):
+    """Dealt strided, joined contiguous: q, k and v still meet head for head (each traded
+    alike), but the trade back deals tokens every C-th, and the heads come back in another
+    order; o reads the wrong heads at the wrong tokens."""
+    _, path = launched["Ulysses: heads dealt every C-th, joined in blocks"]
+    assert distance(path, steps=4, heads=HEADS) > 1e-3
 
 
 if __name__ == "__main__":
