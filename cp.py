@@ -42,8 +42,8 @@ When to use it
     on a device even with activation checkpointing: long-context training, 100k tokens and
     more. The exchanges (K and V, per layer) grow with the length; attention's compute grows
     with its square, so the longer the sequence, the better the ring hides them behind it.
-    Ulysses sends the least as C grows (each rank 4 (C-1)/C of its S/C tokens' activations per
-    block), but its C stops at the heads; the ring and the all-gather have no such cap.
+    Ulysses' bytes per rank fall as C grows (4 (C-1)/C of its S/C tokens' activations per
+    block, less with grouped K/V heads), the others' grow; but its C stops at the heads.
 When not
     Short sequences (ours: 16 tokens): the exchanges cost more than the attention they split;
     split the batch instead (ddp.py, fsdp.py). PyTorch's own context_parallel() runs the ring
@@ -308,30 +308,30 @@ class AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x, group, scatter, gather):
+    """x cut in C along `scatter`, piece i to rank i; the pieces received, joined along `gather`."""
     pieces = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter))  # piece i: rank i's
     received = torch.empty_like(pieces)
     dist.all_to_all_single(received, pieces, group=group)  # dim 0 split evenly over the ranks
     return torch.cat(received.unbind(), dim=gather)
 
 
-def attend_ulysses(q, k, v, docs=None, *, group, all_positions):
-    """Causal attention of every token of the sequence for 1/C of the heads (DeepSpeed-Ulysses):
-    trade this rank's tokens of every head for every token of its heads, attend, trade back."""
-    cp = dist.get_world_size(group)
+def attend_ulysses(q, k, v, docs=None, *, group, all_positions, attend):
+    """The block's own `attend`, on every token of the sequence for 1/C of the heads
+    (DeepSpeed-Ulysses): trade this rank's tokens of every head for every token of its heads,
+    attend, trade back. The traded tokens come in rank order (all_positions): sorted first."""
+    cp, order = dist.get_world_size(group), all_positions.argsort()
     if k.shape[1] < cp:  # GQA with fewer K/V heads than ranks: copies, one per rank
         k, v = (t.repeat_interleave(cp // t.shape[1], dim=1) for t in (k, v))
     # (batch, heads, my tokens, width) -> (batch, heads/C, all tokens, width): rank i gets the
-    # i-th C-th of the heads, the tokens joined in rank order, which all_positions lists.
-    q = AllToAll.apply(q, group, 1, 2)
-    k, v = AllToAll.apply(torch.stack([k, v]), group, 2, 3)  # one collective for both
-    if k.shape[1] < q.shape[1]:  # GQA: a K/V head serves the query heads beside it, here too
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    may_see = all_positions <= all_positions[:, None]  # causal by position, as allgather's
+    # i-th C-th of the heads (of K and V too: the ones its queries read)
+    q = AllToAll.apply(q, group, 1, 2)[:, :, order]
+    k, v = AllToAll.apply(torch.stack([k, v]), group, 2, 3)[:, :, :, order]  # one collective
     if docs is not None:  # packed: every token's document, a small all-gather
-        all_docs = AllGather.apply(docs[:, None, :, None], group)  # (batch, 1, all tokens, 1)
-        may_see = may_see & (all_docs == all_docs.mT)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=may_see)
-    return AllToAll.apply(out, group, 2, 1)  # back: my tokens, every head
+        docs = AllGather.apply(docs[:, None, :, None], group)[:, 0, order, 0]
+    # Whole sequences of whole heads, in order: the model's attention as it is (its causal
+    # mask, its kernel; a grouped-heads one must read the grouping off q's and k's shapes)
+    out = attend(q, k, v) if docs is None else attend(q, k, v, docs)
+    return AllToAll.apply(out[:, :, all_positions], group, 2, 1)  # back: my tokens, all heads
 
 
 def cut_sequences(model, mesh, method):
@@ -339,13 +339,13 @@ def cut_sequences(model, mesh, method):
     group, cp_rank, cp = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh["cp"].size()
     positions, where = token_positions(cp_rank, cp), next(model.parameters()).device
     all_positions = torch.cat([token_positions(r, cp) for r in range(cp)]).to(where)
-    attend = {"allgather": functools.partial(attend_allgather, group=group, all_positions=
-                                             all_positions, positions=positions.to(where)),
-              "ring": functools.partial(attend_ring, group=group),
-              "ulysses": functools.partial(attend_ulysses, group=group,
-                                           all_positions=all_positions)}[method]
     for block in model.blocks.values():
-        block.attn.attend = attend
+        block.attn.attend = {  # all-gather and ring replace the attention; Ulysses wraps it
+            "allgather": functools.partial(attend_allgather, group=group, all_positions=
+                                           all_positions, positions=positions.to(where)),
+            "ring": functools.partial(attend_ring, group=group),
+            "ulysses": functools.partial(attend_ulysses, group=group, all_positions=
+                                         all_positions, attend=block.attn.attend)}[method]
     return positions
 # --- end ---
 

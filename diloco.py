@@ -8,8 +8,9 @@ What it teaches
     an outer optimizer (SGD with Nesterov momentum) steps the outer weights on that average, and
     every replica starts the next round from them. One all-reduce of every weight per H steps:
     1/H of DDP's bytes. It is not one device's training (H = 1 with plain SGD for both
-    optimizers and outer lr 1 is: the tests prove that, and that momentum 0 is torch's own
-    PostLocalSGDOptimizer, and every number against a plain W-replica loop, to 1e-12 in fp64).
+    optimizers and outer lr 1 is, where every replica counts as many targets). The tests prove
+    that, that momentum 0 is torch's own PostLocalSGDOptimizer, and the weights within 1e-12
+    of a plain W-replica loop in fp64, and every printed number to the digits printed.
 
 When to use it
     Slow links between the replicas (machines, data centres): each round sends what DDP sends in
@@ -23,6 +24,11 @@ Launch
     python diloco.py --inner-steps 20 --outer-lr 0.7 --outer-momentum 0.9
     torchrun --nproc_per_node=2 diloco.py     # same flags after the script
     torchrun --nproc_per_node=2 --max-restarts=3 diloco.py --checkpoint ckpt.pt
+    # several machines (its use: slow links between them), the same line on each:
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --master-addr=HOST \
+        --master-port=29500 diloco.py --inner-steps 100
+    A --checkpoint brings every replica's weights and optimizer to rank 0: W x 16 bytes per
+    parameter over the slow link; checkpoint rarely.
     Smallest hardware: any laptop CPU (2 processes over gloo).
 
 What it changes in ddp.py
@@ -46,9 +52,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common import SimpleModel, loss_fn, make_dataset, seed_everything
 from plumbing.balance import balance
-from plumbing.checkpoints import read_checkpoint, save_atomic, to_cpu, train_state
-from plumbing.flags import (check_shared_flags, compile_and_checkpoint, launch_world, positive,
-                            shared_parser)
+from plumbing.checkpoints import every_rank, read_checkpoint, save_atomic, train_state
+from plumbing.flags import check_shared_flags, compile_and_checkpoint, launch_world, shared_parser
+from plumbing.flags import positive
 from plumbing.meter import Meter, Profiler, eval_line, held_bytes, log_line, print0
 from plumbing.model_check import check_model
 from plumbing.ranks import fail, launch
@@ -56,15 +62,15 @@ from plumbing.ranks import fail, launch
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__, ranks=True)  # the flags every script shares (docs/usage.md)
-    train = parser.groups["training"]
-    train.add_argument("--inner-steps", type=positive(int), default=5, metavar="H",
-                       help="steps each replica takes alone between two averages")
-    train.add_argument("--outer-lr", type=positive(float), default=0.7,
-                       help="the outer SGD's learning rate (1 with momentum 0: the average)")
-    train.add_argument("--outer-momentum", type=float, default=0.9,
-                       help="the outer SGD's Nesterov momentum (0: plain SGD)")
-    train.add_argument("--inner-optimizer", choices=["adam", "sgd"], default="adam",
-                       help="each replica's own optimizer, at --lr")
+    training = parser.groups["training"]
+    training.add_argument("--inner-steps", type=positive(int), default=5, metavar="H",
+                          help="steps each replica takes alone between two averages")
+    training.add_argument("--outer-lr", type=positive(float), default=0.7,
+                          help="the outer SGD's learning rate (1 with momentum 0: the average)")
+    training.add_argument("--outer-momentum", type=float, default=0.9,
+                          help="the outer SGD's Nesterov momentum (0: plain SGD)")
+    training.add_argument("--inner-optimizer", choices=["adam", "sgd"], default="adam",
+                          help="each replica's own optimizer, at --lr")
     args = parser.parse_args(argv)
     if not 0 <= args.outer_momentum < 1:
         parser.error(f"--outer-momentum {args.outer_momentum}: must be in [0, 1)")
@@ -135,10 +141,10 @@ def train(args, rank, world_size, device):
     seed_everything(args.seed)
     model = SimpleModel.from_args(args).to(device, dtype)
     # --- DiLoCo: rank 0's weights on every replica, and the outer weights: a copy of them ---
-    for p in model.parameters():  # what DDP's wrap does: one start for every replica
-        dist.broadcast(p.detach(), src=0)
-    # The outer weights, where every round starts: a second model (evaluated and saved), copied
-    # before --compile wraps the blocks of the replica, the one that trains.
+    for t in [*model.parameters(), *model.buffers()]:  # as DDP's wrap: one start for all
+        dist.broadcast(t.detach(), src=0)
+    # The outer weights, where every round starts: a second model, evaluated and saved, never
+    # trained: copied before --compile and --activation-checkpointing wrap the replica's blocks.
     outer = copy.deepcopy(model)
     # --- end ---
     # --compile and --activation-checkpointing, per block, before any wrapper
@@ -183,8 +189,9 @@ def train(args, rank, world_size, device):
         batches = [next(micro_batches) for _ in range(args.accum_steps)]
         # --- DiLoCo: each replica steps alone: the count of its own B/N samples, no all-reduce ---
         # Its loss is the mean over the targets that count in its shard (single.py's on B/N):
-        # no gradient is averaged, so nothing divides by the other replicas' counts.
-        tokens = sum((y != -100).sum() for _, y in batches).to(device)
+        # no gradient is averaged. The round's average weighs every replica alike, whatever its
+        # count: with padding or prompts, a mean of the replicas' means (none counted: 0, not NaN).
+        tokens = sum((y != -100).sum() for _, y in batches).clamp(min=1).to(device)
         for x, y in batches:
             x, y = x.to(device), y.to(device)
             with record_function("forward"):
@@ -244,6 +251,7 @@ def outer_step(model, outer, outer_optimizer, world_size):
         for o, g in zip(outer.parameters(), pseudo.split([o.numel() for o in outer.parameters()])):
             o.grad = g.view_as(o)  # as if backward had made it: the outer step's "gradient"
         outer_optimizer.step()  # outer -= lr x (Nesterov of the mean pseudo-gradient)
+        outer_optimizer.zero_grad(set_to_none=True)  # the flat buffer, freed till next round
         for p, o in zip(model.parameters(), outer.parameters()):
             p.copy_(o)  # the next round starts from the outer weights, on every replica
     # --- end ---
@@ -251,18 +259,24 @@ def outer_step(model, outer, outer_optimizer, world_size):
 
 def save_checkpoint(args, rank, model, optimizer, outer, outer_optimizer, step):
     """Everything needed to continue exactly where this run is, mid-round too: the outer
-    weights and the outer momentum, and each replica's own weights and optimizer state, gathered
-    into one file by rank 0 (one atomic file: never one rank's state from another step). The
-    data position and the round's are functions of (seed, step, global batch, H) only."""
-    # --- DiLoCo: every replica's state, on rank 0 (CPU copies: pickled, sent over the group) ---
-    replicas = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(to_cpu({"model": model.state_dict(), "optimizer": optimizer.state_dict()}),
-                       replicas, dst=0)
+    weights and momentum (the same on every rank), and each replica's own weights and optimizer
+    state (its own), in one file that rank 0 writes atomically (never one rank's state from
+    another step). The data position and the round's are functions of (seed, step, global
+    batch, H) only: the DiLoCo flags are saved and checked."""
+    # --- DiLoCo: every replica's state, on rank 0 (a collective; tensors, never pickles) ---
+    replicas = every_rank({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                          next(model.parameters()).device)
     # --- end ---
     if rank == 0:
         save_atomic({"model": outer.state_dict(), "outer_optimizer": outer_optimizer.state_dict(),
-                     "replicas": replicas, **train_state(args, step)}, args.checkpoint)
+                     "replicas": replicas, "diloco": diloco_flags(args),
+                     **train_state(args, step)}, args.checkpoint)
         print(f"checkpoint: step {step} -> {args.checkpoint}", flush=True)
+
+
+def diloco_flags(args):
+    return {flag: getattr(args, flag.strip("-").replace("-", "_")) for flag in (
+        "--inner-steps", "--outer-lr", "--outer-momentum", "--inner-optimizer")}
 
 
 def load_checkpoint(args, rank, world_size, model, optimizer, outer, outer_optimizer):
@@ -272,9 +286,14 @@ def load_checkpoint(args, rank, world_size, model, optimizer, outer, outer_optim
     state = read_checkpoint(args, __file__)  # torch.load(weights_only=True), checked; or None
     if state is None:
         return 0
-    if len(state.get("replicas", [])) != world_size:  # each rank reads and refuses alike
-        fail(f"diloco.py: error: --checkpoint {args.checkpoint}: not written by diloco.py on "
-             f"{world_size} ranks; resume it on as many ranks as wrote it")
+    why = ("it holds no replicas: written by another script; start afresh or point elsewhere"
+           if "replicas" not in state else
+           f"written by {len(state['replicas'])} ranks; resume it on as many"
+           if len(state["replicas"]) != world_size else
+           "written with " + " ".join(f"{k} {v}" for k, v in state["diloco"].items())
+           + "; use the same" if state["diloco"] != diloco_flags(args) else None)
+    if why:  # each rank reads the file and refuses alike
+        fail(f"diloco.py: error: --checkpoint {args.checkpoint}: {why}")
     outer.load_state_dict(state["model"])
     outer_optimizer.load_state_dict(state["outer_optimizer"])
     model.load_state_dict(state["replicas"][rank]["model"])  # mid-round: this replica's own

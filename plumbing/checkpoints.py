@@ -183,6 +183,29 @@ def gather_full_state(args, parts):
     return weights, {"state": adam, "param_groups": [group]}
 
 
+def every_rank(state, device):
+    """Every rank's `state` (nested dicts of tensors, the same names, shapes and dtypes on every
+    rank: DiLoCo's replicas' weights and optimizers) on rank 0's CPU, a list in rank order;
+    None on the others. A collective. Tensor by tensor through `device` (NCCL sends GPU tensors
+    only), sent and received, never pickled: what a peer sends is data."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if isinstance(state, dict):
+        parts = {key: every_rank(value, device) for key, value in state.items()}
+        return [{key: part[r] for key, part in parts.items()} for r in range(world_size)] \
+            if rank == 0 else None
+    if not torch.is_tensor(state):  # param_groups' numbers: the same on every rank
+        return [state] * world_size
+    if rank > 0:
+        dist.send(state.detach().contiguous().to(device), dst=0)
+        return None
+    received = [state.detach().cpu()]
+    for source in range(1, world_size):
+        buffer = torch.empty_like(state, device=device)
+        dist.recv(buffer, src=source)
+        received.append(buffer.cpu())
+    return received
+
+
 def train_state(args, step):
     """What a checkpoint holds besides the weights and the optimizer's state, for
     check_resumable: the step, and what the data order and the model depend on (the data

@@ -107,8 +107,10 @@ def probe(parser, args, name, split, cut):
     `cut` (pipeline.py's, nd.py's), stages that do not chain to the model's forward; under
     cp.py, an attention that never calls the `attend` cp.py replaces; with
     --sequence-parallel, a module between the TP regions that mixes positions
-    (between_regions). Under --fp64, a module that computes in float32 anyway (Hugging Face's
-    RMSNorm, its routers) is named in one line: correct runs then part by ~1e-8, not ~1e-13.
+    (between_regions); with --cp-method ulysses, heads that --cp (over --tp) does not cut into
+    whole ones (ulysses_heads). Under --fp64, a module that computes in float32 anyway (Hugging
+    Face's RMSNorm, its routers) is named in one line: correct runs then part by ~1e-8, not
+    ~1e-13.
     A forward that fails here is refused in one line too."""
     cp = "cp_method" in args and getattr(args, "cp", None) != 1
     if not (split or cut or cp or args.fp64 or getattr(args, "sequence_parallel", False)):
@@ -211,9 +213,10 @@ def ulysses_heads(parser, args, name, heads):
     key/value heads (GQA) that it neither divides nor is a multiple of (copies, one per rank)."""
     tp = getattr(args, "tp", 1)
     for q, kv in heads:
+        over = f" over --tp {tp}" if tp > 1 else ""
+        grouped = f" that {kv // tp} divides or is divided by" if kv != q else ""
         if q % (tp * args.cp) or (kv // tp) % args.cp and args.cp % (kv // tp):
             parser.error(f"--cp-method ulysses: each rank attends whole heads, and {name}'s "
-                         f"{q} query and {kv} key/value heads{f' over --tp {tp}' if tp > 1 else ''}"
-                         f" do not cut evenly into --cp {args.cp}; use a --cp dividing "
-                         f"{q // tp}{f' that {kv // tp} divides or is divided by' if kv != q else ''}"
-                         ", or --cp-method ring")
+                         f"{q} query and {kv} key/value heads{over} do not cut evenly into "
+                         f"--cp {args.cp}; use a --cp dividing {q // tp}{grouped}, or "
+                         "--cp-method ring")

@@ -8,11 +8,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, VAL_TOL, early_results, fp64,
-                      launch, load_saved, logged_losses, logged_norms, logged_step_losses,
-                      logged_val_losses, max_diff, ok, ranks_cmd, run_as_only_rank, run_commands,
-                      succeeded,
-                      summary_val_loss)
+from conftest import (FP64_CLIP, FP64_JOB, FP64_SEEDS, FP64_TOL, JOB, JOB_FLAGS, VAL_TOL,
+                      early_results, fp64, launch, load_saved, logged_losses, logged_norms,
+                      logged_step_losses, logged_val_losses, max_diff, ok, ranks_cmd,
+                      run_as_only_rank, run_commands, succeeded, summary_val_loss)
 from reference import reference_diloco, reference_train, reference_val_loss
 
 SEED = FP64_SEEDS[0]
@@ -70,10 +69,10 @@ def test_default_run_on_2_ranks_trains_loss_and_validation_loss_fall(runs):
 def oracle(steps=STEPS):
     norms = []
     initial, final, losses = reference_diloco(
-        steps, FP64_JOB["batch_size"], FP64_JOB["lr"], SEED, JOB["hidden"], JOB["blocks"], JOB["heads"], ranks=3,
-        inner_steps=H, outer_lr=0.7, outer_momentum=0.9, clip=FP64_CLIP, fp64=True, norms=norms)
+        steps, FP64_JOB["batch_size"], FP64_JOB["lr"], SEED, JOB["hidden"], JOB["blocks"],
+        JOB["heads"], ranks=3, inner_steps=H, outer_lr=0.7, outer_momentum=0.9, clip=FP64_CLIP,
+        fp64=True, norms=norms)
     return final, losses, norms
-
 
 
 def test_fp64_diloco_on_3_ranks_is_the_plain_loop_to_1e_12_and_prints_its_numbers(runs):
@@ -146,11 +145,23 @@ def test_outer_lr_1_without_momentum_is_torchs_post_local_sgd_optimizer(runs):
     assert max_diff(ours, one_device) > FP64_TOL  # and local SGD is not one device's training
 
 
-def test_a_checkpoint_another_script_wrote_is_refused_in_one_line(tmp_path):
-    """ddp.py's checkpoint holds no replicas: diloco.py says so, and what to do."""
+def test_a_checkpoint_another_script_or_other_diloco_flags_wrote_is_refused_in_one_line(
+        tmp_path):
+    """ddp.py's checkpoint holds no replicas, and a diloco.py one written with another
+    --inner-steps would end its rounds elsewhere: each refused in one line, the file left."""
     ckpt = tmp_path / "ckpt.pt"
     run_as_only_rank("ddp", ["--steps=1", f"--checkpoint={ckpt}"], tmp_path)
     with pytest.raises(SystemExit) as exit_:
         run_as_only_rank("diloco", ["--steps=2", f"--checkpoint={ckpt}"], tmp_path)
-    assert str(exit_.value) == (f"diloco.py: error: --checkpoint {ckpt}: not written by "
-                                "diloco.py on 1 ranks; resume it on as many ranks as wrote it")
+    assert str(exit_.value) == (f"diloco.py: error: --checkpoint {ckpt}: it holds no replicas: "
+                                "written by another script; start afresh or point elsewhere")
+    ckpt.unlink()
+    run_as_only_rank("diloco", ["--steps=1", f"--checkpoint={ckpt}"], tmp_path)
+    written = ckpt.read_bytes()
+    with pytest.raises(SystemExit) as exit_:
+        run_as_only_rank("diloco", ["--steps=2", "--inner-steps=3", f"--checkpoint={ckpt}"],
+                         tmp_path)
+    assert str(exit_.value) == (
+        f"diloco.py: error: --checkpoint {ckpt}: written with --inner-steps 5 --outer-lr 0.7 "
+        "--outer-momentum 0.9 --inner-optimizer adam; use the same")
+    assert ckpt.read_bytes() == written

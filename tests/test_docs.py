@@ -126,9 +126,9 @@ DIFF_LIMITS = {
     ("ddp", "zero"): 30,
     # no wrapper, no global count, no no_sync: each replica steps alone on its own count; the
     # outer copy and its Nesterov SGD, the inner optimizer's choice, the round's flat
-    # all-reduce and reset, a mid-round checkpoint of every replica gathered to rank 0, the
-    # outer weights evaluated and saved: 175
-    ("ddp", "diloco"): 175,
+    # all-reduce and reset, a mid-round checkpoint of every replica gathered to rank 0 (its
+    # DiLoCo flags saved and checked), the outer weights evaluated and saved: 190
+    ("ddp", "diloco"): 190,
     # meta device, fully_shard and its order, rank-0 init, the optimizer after it, DCP's save
     # and load at the line (get_state_dict only once a checkpoint is found: its trap); HSDP,
     # --reshard-after-forward and bf16, which are fully_shard's own arguments: 155

@@ -250,8 +250,10 @@ MISTAKES = {
         "                    loss = loss * world_size * args.cp / tokens  # (mistake) \"each "
         "rank saw 1/C\"\n")]),
     "Ulysses: the trade back with its dimensions swapped": ("cp.py", [(
-        "    return AllToAll.apply(out, group, 2, 1)  # back: my tokens, every head\n",
-        "    return AllToAll.apply(out, group, 1, 2)  # (mistake) cut the heads, join the tokens\n")]),
+        "    return AllToAll.apply(out[:, :, all_positions], group, 2, 1)  # back: my tokens, all "
+        "heads\n",
+        "    return AllToAll.apply(out[:, :, all_positions], group, 1, 2)  # (mistake) dims "
+        "swapped\n")]),
     "Ulysses: heads dealt every C-th, joined in blocks": ("cp.py", [(
         "    pieces = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter))  # piece i: "
         "rank i's\n",
@@ -301,7 +303,7 @@ LAUNCHED = {
               [*fp64(SEED, steps=4), f"--data={data}",
                *(["--microbatches=4"] if MISTAKES[name][0] == "pipeline.py" else [])])
        for name, data in COUNTED.items() if MISTAKES[name][0] != "single.py"},
-    # DiLoCo: 2 replicas, rounds of 3 steps (DILOCO), Adam inside, Nesterov outside
+    # DiLoCo: 2 replicas, rounds of 3 steps, Adam inside, Nesterov outside
     **{name: (2, [*fp64(SEED, steps=6), "--inner-steps=3"]) for name in MISTAKES
        if name.startswith("DiLoCo")},
     # Ulysses: 2 ranks, 2 heads each (JOB's 3 do not cut in 2); every step's norm printed

@@ -2,7 +2,8 @@
 its output at the tokens each rank holds, and the gradients of q, k and v through both
 all-to-alls, for 8 query heads and 8, 4, 2 or 1 key/value heads (GQA; fewer than the ranks:
 copied, one per rank), on a CP group of 4 (every rank) and on two groups of 2, with and without
-packed documents. The reference repeats each key/value head for the query heads it serves
+packed documents; around a model's own attention with grouped heads (grouped_attend). The
+reference repeats each key/value head for the query heads it serves
 (Llama's repeat_kv) and masks by position and document over the whole sequence. Without GQA,
 the bytes each rank's forward all-to-alls send are counted: 4 (C-1)/C x S x H x bytes / C per
 sample (q, k and v traded for heads, the output traded back; H = heads x head width).
@@ -24,8 +25,20 @@ from common import SEQ_LEN  # noqa: E402
 
 HEADS, WIDTH, BATCH = 8, 4, 3
 
+
+def grouped_attend(q, k, v, docs=None):
+    """A model's own attention with grouped K/V heads, the grouping read off the shapes (as
+    SDPA's enable_gqa does), causal, by document where packed: what Ulysses wraps."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    same = docs[:, None, :, None] == docs[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same.tril())
+
+
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+assert world == 4, "run on 4 ranks: one group of 4, two of 2"
 pairs = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank makes every group
 worst, counted = 0.0, set()
 for c, group in ((world, dist.group.WORLD), (2, pairs[rank // 2])):
@@ -58,7 +71,7 @@ for c, group in ((world, dist.group.WORLD), (2, pairs[rank // 2])):
                 x.numel() * x.element_size() * (c - 1) / c) or trade(out, x, **kw)
             ours = cp.attend_ulysses(q[:, :, mine], k[:, :, mine], v[:, :, mine],
                                      docs[:, mine] if packed else None, group=group,
-                                     all_positions=all_positions)
+                                     all_positions=all_positions, attend=grouped_attend)
             cp.dist.all_to_all_single = trade
             if kv_heads == HEADS:  # 4 (C-1)/C x S x H x bytes / C: q, k, v there, out back
                 formula = 4 * (c - 1) / c * BATCH * SEQ_LEN * HEADS * WIDTH * 8 / c
