@@ -489,8 +489,9 @@ def run_commands(script, runs, folder):
 
 def early_runs(script, runs):
     """A module's early_launches for `runs` (see run_commands); its fixture takes them with
-    launched_runs."""
-    return lambda folder: (run_commands(script, runs, folder)[0], None)
+    launched_runs. Under -m quick (only the module's quick tests chosen) none is launched."""
+    return lambda folder, quick=False: ([None] * len(runs) if quick
+                                        else run_commands(script, runs, folder)[0], None)
 
 
 def launched_runs(module_name, script, runs):
